@@ -1,0 +1,9 @@
+"""Convergence harness: train a ViT/14 depth model under each gradzip codec and compare accuracy
+against bytes on the wire. Run ``python -m gradzip.converge --suite cpu-default --out DIR``.
+
+Modules: models (ViT/14 encoder + DPT head), weights (local checkpoint loading), scenes
+(procedural RGB-D), datasets (NYU, KITTI, folder loaders), metrics, losses (SILog), compression
+(the simulated W-worker reduction over gradzip.ddp.SimulatedWorkers), training, distributed
+(real DDP under torchrun), suites, report, cli. Only compression and distributed import the
+compiled extension, and only when a run needs it.
+"""

@@ -1,0 +1,92 @@
+"""Gradient aggregation for the simulated-worker mode: W gradients in, their (compressed) mean out.
+
+All arithmetic is gradzip.ddp.SimulatedWorkers, which runs the code of ``compress_hook`` for W
+ranks in one process (each worker with its own error-feedback residuals). This module only adapts
+it to the trainer:
+
+* the flat model gradient is cut into buckets the way DDP cuts it (parameters in reverse order,
+  1 MiB first bucket, then ``bucket_cap_mb``), and each bucket is reduced with its own bucket index, so
+  per-bucket scales, top-k selections and residuals are those W DDP ranks would have;
+* the uncompressed baseline ("fp32", also spelled "none") is the hook's own uncompressed path,
+  a plain fp32 all-reduce average (what DDP does without a hook): every bucket is marked too small
+  to compress. Its traffic is that of a ring all-reduce.
+
+The compiled extension is imported lazily, so the rest of the harness works without it.
+"""
+from __future__ import annotations
+
+import torch
+
+BASELINE = "fp32"
+MIN_COMPRESS_NUMEL = 4096  # CompressionState's default: tiny buckets are not worth a header
+_NEVER = 1 << 62
+FIRST_BUCKET_BYTES = 1 << 20  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
+
+
+def canonical_codec(codec: str) -> str:
+    return BASELINE if codec in ("none", "fp32") else codec
+
+
+def bucket_bounds(numels: list[int], cap_bytes: int,
+                  first_cap_bytes: int = FIRST_BUCKET_BYTES) -> list[tuple[int, int]]:
+    """(start, end) element ranges of the buckets of a flat fp32 gradient laid out in parameter
+    order, cut as DDP's reducer cuts them after its first-iteration rebuild: parameters taken in
+    reverse order (the order backward produces them), a bucket closed as soon as it reaches its
+    cap, the first bucket capped at ``first_cap_bytes``. Returned in bucket-index order."""
+    bounds = []
+    off = end = sum(numels)
+    size, limit = 0, first_cap_bytes
+    for n in reversed(numels):
+        off -= n
+        size += 4 * n
+        if size >= limit:
+            bounds.append((off, end))
+            end, size, limit = off, 0, cap_bytes
+    if end > 0:
+        bounds.append((0, end))
+    return bounds
+
+
+class Reducer:
+    """Averages W flat fp32 gradients bucket by bucket; keeps the last step's traffic."""
+
+    def __init__(self, codec: str, workers: int, error_feedback: bool = True,
+                 param_numels: list[int] | None = None, bucket_cap_mb: float = 25.0,
+                 first_bucket_bytes: int = FIRST_BUCKET_BYTES):
+        from gradzip.ddp import SimulatedWorkers  # compiled extension: imported only here
+
+        self.codec = canonical_codec(codec)
+        self.workers = workers
+        self.error_feedback = error_feedback
+        self.param_numels = param_numels
+        self.cap_bytes = int(bucket_cap_mb * 2**20)
+        self.first_bucket_bytes = first_bucket_bytes
+        baseline = self.codec == BASELINE
+        self._sim = SimulatedWorkers(self.codec, workers, error_feedback=error_feedback and not
+                                     baseline, min_compress_numel=_NEVER if baseline else
+                                     MIN_COMPRESS_NUMEL)
+        self.bytes_per_step = 0  # bytes one worker sent in the last step
+        self.raw_bytes_per_step = 0  # what an uncompressed fp32 ring all-reduce would send
+
+    def reduce(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        if len(grads) != self.workers:
+            raise ValueError(f"expected {self.workers} gradients, got {len(grads)}")
+        n = grads[0].numel()
+        numels = self.param_numels or [n]
+        if sum(numels) != n:
+            raise ValueError(f"gradients hold {n} elements, the parameters {sum(numels)}")
+        out = torch.empty_like(grads[0])
+        sent = raw = 0
+        for i, (a, b) in enumerate(bucket_bounds(numels, self.cap_bytes, self.first_bucket_bytes)):
+            out[a:b] = self._sim.reduce([g[a:b] for g in grads], bucket_index=i)
+            stats = self._sim.stats
+            sent += stats["bytes_sent"]
+            raw += stats["raw_bytes"]
+        self.bytes_per_step, self.raw_bytes_per_step = sent, raw
+        return out
+
+    def state_dict(self) -> dict:
+        return self._sim.state_dict()
+
+    def load_state_dict(self, sd: dict) -> None:
+        self._sim.load_state_dict(sd)

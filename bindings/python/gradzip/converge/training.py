@@ -1,0 +1,278 @@
+"""One training run of the depth model under one codec: data, schedule, steps, checkpoints, eval.
+
+The same run is defined for both modes: at step s the global batch is drawn from a generator
+seeded by (seed, s) and split into W equal shards, shard w going to worker (or rank) w. In the
+simulated mode (``train_simulated``) one process computes the W shard gradients one after the
+other and hands them to ``Reducer``; in the DDP mode (``distributed.train_ddp``) rank w computes
+shard w and ``compress_hook`` reduces. Runs resume from their last checkpoint bit for bit: the
+batch of a step does not depend on earlier steps, and the checkpoint carries model, optimiser,
+scheduler and error-feedback state.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .compression import BASELINE, Reducer, canonical_codec
+from .datasets import ProceduralDepth, materialize, open_dataset
+from .losses import silog_loss
+from .metrics import MetricAccumulator
+from .models import build_model
+from .scenes import SceneConfig
+from .weights import load_encoder_weights
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: str = "vit-t14"
+    image_size: int = 84  # square input, a multiple of 14
+    workers: int = 4
+    batch_per_worker: int = 4
+    steps: int = 300
+    warmup_steps: int = 30
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.05
+    weight_decay: float = 0.05
+    codec: str = BASELINE
+    error_feedback: bool = True
+    seed: int = 0
+    data: str = "procedural"  # or nyu:FILE / kitti:DEPTH,RAW / folder:DIR
+    train_scenes: int = 512  # procedural only
+    test_scenes: int = 64
+    max_depth: float = 10.0  # evaluation cap (NYU: 10 m; KITTI: 80 m)
+    checkpoint_every: int = 100
+    bucket_cap_mb: float = 25.0  # DDP's default bucket size; simulated buckets are cut alike
+    weights: str | None = None  # encoder weights (.pth / .safetensors)
+    amp: bool = True  # bf16 autocast when on CUDA
+
+    @property
+    def name(self) -> str:
+        codec = canonical_codec(self.codec)
+        return codec if self.error_feedback or codec == BASELINE else f"{codec}-noef"
+
+
+def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warm-up over ``warmup`` steps, then cosine from 1 down to ``min_ratio``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def batch_indices(seed: int, step: int, n: int, count: int) -> torch.Tensor:
+    """The global batch of ``step``: a function of (seed, step) only, so resuming is exact."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    if count <= n:
+        return torch.randperm(n, generator=g)[:count]
+    return torch.randint(n, (count,), generator=g)
+
+
+def load_data(cfg: RunConfig) -> tuple[dict, dict]:
+    """(train, test) tensors at the run's image size."""
+    size = (cfg.image_size, cfg.image_size)
+    if cfg.data == "procedural":
+        scene = SceneConfig(height=cfg.image_size, width=cfg.image_size, max_depth=cfg.max_depth)
+        full = materialize(ProceduralDepth(cfg.train_scenes + cfg.test_scenes, cfg.seed, scene))
+    else:
+        full = materialize(open_dataset(cfg.data), size)
+    n = next(iter(full.values())).shape[0]
+    n_test = cfg.test_scenes if cfg.data == "procedural" else max(1, n // 10)
+    if n - n_test < 1:
+        raise ValueError(f"dataset has {n} samples: too few to hold out {n_test} for testing")
+    train = {k: v[: n - n_test] for k, v in full.items()}
+    test = {k: v[n - n_test:] for k, v in full.items()}
+    return train, test
+
+
+def make_model(cfg: RunConfig, device: torch.device) -> torch.nn.Module:
+    torch.manual_seed(cfg.seed)  # every codec starts from the same weights
+    model = build_model(cfg.model)
+    if cfg.weights:
+        load_encoder_weights(model.encoder, cfg.weights)
+    return model.to(device)
+
+
+def make_optimizer(cfg: RunConfig, model: torch.nn.Module):
+    decay, no_decay = [], []
+    for n, p in model.named_parameters():  # no decay on norms, biases, tokens and LayerScale
+        (no_decay if p.ndim <= 1 or n.endswith(("cls_token", "pos_embed")) else decay).append(p)
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: lr_factor(s, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio))
+    return opt, sched
+
+
+def autocast(cfg: RunConfig, device: torch.device):
+    if cfg.amp and device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return nullcontext()
+
+
+def shard_loss(model, cfg: RunConfig, train: dict, idx: torch.Tensor, device) -> torch.Tensor:
+    rgb = train["rgb"][idx].to(device, non_blocking=True)
+    depth = train["depth"][idx].to(device, non_blocking=True)
+    with autocast(cfg, device):
+        pred = model(rgb)
+    return silog_loss(pred.float(), depth)
+
+
+@torch.no_grad()
+def evaluate(model, cfg: RunConfig, test: dict, device, batch: int = 16) -> dict[str, float]:
+    model.eval()
+    acc = MetricAccumulator(max_depth=cfg.max_depth)
+    n = test["rgb"].shape[0]
+    for i in range(0, n, batch):
+        with autocast(cfg, device):
+            pred = model(test["rgb"][i:i + batch].to(device))
+        acc.update(pred.float().cpu(), test["depth"][i:i + batch])
+    model.train()
+    return acc.compute()
+
+
+class RunFiles:
+    """Where a run keeps its checkpoint, its result and its per-step log lines."""
+
+    def __init__(self, out: Path, cfg: RunConfig):
+        self.cfg = cfg
+        self.ckpt = out / "checkpoints" / f"{cfg.name}.pt"
+        self.result = out / "runs" / f"{cfg.name}.json"
+        self.steps = out / "steps.jsonl"
+        self.ckpt.parent.mkdir(parents=True, exist_ok=True)
+        self.result.parent.mkdir(parents=True, exist_ok=True)
+
+    def done(self) -> dict | None:
+        if not self.result.is_file():
+            return None
+        res = json.loads(self.result.read_text())
+        return res if res.get("config") == dataclasses.asdict(self.cfg) else None
+
+    def truncate_steps(self, from_step: int) -> None:
+        """Drop this run's log lines at or after ``from_step`` (they are about to be redone)."""
+        if not self.steps.is_file():
+            return
+        keep = []
+        for line in self.steps.read_text().splitlines():
+            rec = json.loads(line)
+            if not (rec["run"] == self.cfg.name and rec["step"] >= from_step):
+                keep.append(line)
+        tmp = self.steps.with_suffix(".tmp")
+        tmp.write_text("".join(x + "\n" for x in keep))
+        os.replace(tmp, self.steps)
+
+    def save_checkpoint(self, state: dict) -> None:
+        tmp = self.ckpt.with_suffix(".tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, self.ckpt)  # atomic: an interrupted save leaves the previous one
+
+    def load_checkpoint(self) -> dict | None:
+        if not self.ckpt.is_file():
+            return None
+        state = torch.load(self.ckpt, map_location="cpu", weights_only=False)
+        return state if state.get("config") == dataclasses.asdict(self.cfg) else None
+
+    def write_result(self, res: dict) -> None:
+        self.result.write_text(json.dumps(res, indent=1))
+
+
+def flat_grads(params: list[torch.Tensor], grads) -> torch.Tensor:
+    return torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1).float()
+                      for p, g in zip(params, grads)])
+
+
+def assign_grads(params: list[torch.Tensor], flat: torch.Tensor) -> None:
+    off = 0
+    for p in params:
+        n = p.numel()
+        p.grad = flat[off:off + n].view_as(p).to(p.dtype)
+        off += n
+
+
+def train_simulated(cfg: RunConfig, out: Path, data: tuple[dict, dict], device: torch.device,
+                    progress=None) -> dict:
+    """Run (or resume, or skip if finished) one codec with W simulated workers; returns the
+    result dict written to ``out/runs/<name>.json``."""
+    files = RunFiles(out, cfg)
+    if (res := files.done()) is not None:
+        return res
+    train, test = data
+    model = make_model(cfg, device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt, sched = make_optimizer(cfg, model)
+    reducer = Reducer(cfg.codec, cfg.workers, cfg.error_feedback,
+                      param_numels=[p.numel() for p in params], bucket_cap_mb=cfg.bucket_cap_mb)
+    start, wall = 0, 0.0
+    if (state := files.load_checkpoint()) is not None:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        sched.load_state_dict(state["sched"])
+        reducer.load_state_dict(state["reducer"])
+        start, wall = state["step"], state["wall_s"]
+    files.truncate_steps(start)
+    n_train = train["rgb"].shape[0]
+    b = cfg.batch_per_worker
+    model.train()
+    with open(files.steps, "a") as log:
+        for step in range(start, cfg.steps):
+            t0 = time.perf_counter()
+            idx = batch_indices(cfg.seed, step, n_train, cfg.workers * b)
+            grads, losses = [], []
+            for w in range(cfg.workers):
+                loss = shard_loss(model, cfg, train, idx[w * b:(w + 1) * b], device)
+                grads.append(flat_grads(params, torch.autograd.grad(loss, params,
+                                                                    allow_unused=True)))
+                losses.append(loss.detach())
+            tc = time.perf_counter()
+            avg = reducer.reduce(grads)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            codec_s = time.perf_counter() - tc
+            assign_grads(params, avg)
+            opt.step()
+            sched.step()
+            loss_v = float(torch.stack(losses).mean())
+            wall += time.perf_counter() - t0
+            rec = {"run": cfg.name, "codec": reducer.codec, "error_feedback": cfg.error_feedback,
+                   "step": step, "loss": loss_v, "lr": sched.get_last_lr()[0],
+                   "bytes": reducer.bytes_per_step,
+                   "raw_bytes": reducer.raw_bytes_per_step, "codec_ms": 1e3 * codec_s, "wall_s": wall}
+            log.write(json.dumps(rec) + "\n")
+            if progress is not None:
+                progress(step + 1, loss_v)
+            if (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
+                log.flush()
+                files.save_checkpoint({"config": dataclasses.asdict(cfg), "step": step + 1,
+                                       "wall_s": wall, "model": model.state_dict(),
+                                       "opt": opt.state_dict(), "sched": sched.state_dict(),
+                                       "reducer": reducer.state_dict()})
+    metrics = evaluate(model, cfg, test, device)
+    res = finish(files, cfg, metrics, numel=sum(p.numel() for p in params), wall=wall)
+    files.ckpt.unlink(missing_ok=True)
+    return res
+
+
+def finish(files: RunFiles, cfg: RunConfig, metrics: dict, numel: int, wall: float) -> dict:
+    """Summarise a finished run from its log lines (bytes, codec time) and its metrics."""
+    recs = [json.loads(x) for x in files.steps.read_text().splitlines()]
+    recs = [r for r in recs if r["run"] == cfg.name]
+    if len(recs) != cfg.steps:
+        raise RuntimeError(f"{cfg.name}: log holds {len(recs)} steps, expected {cfg.steps}")
+    bytes_per_step = sum(r["bytes"] for r in recs) / len(recs)
+    raw_bytes = sum(r["raw_bytes"] for r in recs) / len(recs)
+    codec_ms = [r["codec_ms"] for r in recs if r.get("codec_ms") is not None]
+    res = {"run": cfg.name, "codec": canonical_codec(cfg.codec),
+           "error_feedback": cfg.error_feedback, "params": numel,
+           "bytes_per_step": bytes_per_step, "compression_ratio": raw_bytes / bytes_per_step,
+           "codec_ms": sum(codec_ms) / len(codec_ms) if codec_ms else None,
+           "final_loss": sum(r["loss"] for r in recs[-10:]) / len(recs[-10:]),
+           "wall_s": wall, **metrics, "config": dataclasses.asdict(cfg)}
+    files.write_result(res)
+    return res

@@ -1,0 +1,401 @@
+"""An alpha-beta cost model of gradient communication, per DDP bucket, for every hook.
+
+Each collective is modelled as ring/pairwise steps of `alpha + bytes / beta` (alpha: per-message
+latency, beta: goodput of one link direction, links full duplex):
+
+  ring all-reduce of S bytes      2 (p-1) alpha + 2 (p-1)/p * S / beta
+  ring all-gather, s bytes each     (p-1) alpha +   (p-1)   * s / beta
+  pairwise all-to-all, s per peer   (p-1) alpha +   (p-1)   * s / beta
+  two-phase (int8, sign)          all-to-all of encoded shards, then all-gather of the re-encoded
+                                  shard: ~2 E(n) bytes whatever p is
+
+plus the codec's own compute (fused error-feedback encode, decode-add), from measured throughput
+(`measure_codec_speed`, through gradzip's ops) or from a memory-bandwidth parameter and the bytes
+each pass must move. Buckets are communicated one after the other; the model gives the time a step
+spends communicating if nothing overlaps with the backward pass (an upper bound on the step's
+overhead) and the bytes each rank sends.
+
+The collective each hook uses follows gradzip.collective: two-phase for gradzip's fp32, fp16,
+bf16, int8 and sign (fp32 accumulation; the casts move the same bytes as a 16-bit ring
+all-reduce), all-gather of fixed-size payloads for top-k, and buckets under `min_compress_numel`
+elements as a plain fp32 all-reduce. PyTorch's hooks: `none` is DDP's fp32 ring all-reduce,
+`torch-fp16`/`torch-bf16` a 16-bit all-reduce, PowerSGD three all-reduces per bucket
+(uncompressed tensors, P, Q).
+
+`python -m gradzip.costmodel` prints the projection table (see gradzip/costmodel_cli.py).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+# --- codecs: names and wire sizes -----------------------------------------------------------------
+
+HEADER_BYTES = 32  # include/gradzip/wire.hpp kHeaderBytes
+DEFAULT_INT8_BLOCK = 256
+DEFAULT_SIGN_BLOCK = 1024
+
+# Hook names the benchmark uses that are not gradzip codec specs: PyTorch's all-reduce hooks.
+TORCH_HOOKS = {"none": "fp32", "allreduce": "fp32", "torch-fp16": "fp16", "torch-bf16": "bf16"}
+GRADZIP_MIN_COMPRESS_NUMEL = 4096  # gradzip.ddp.CompressionState's default
+
+
+@dataclass(frozen=True)
+class Codec:
+    """A parsed codec or hook name: gradzip's fp32 | fp16 | bf16 | int8[:block=N] | sign[:block=N]
+    | topk:RATIO[:values=fp16], or PyTorch's none | torch-fp16 | torch-bf16 | powersgd[:RANK].
+    collective: allreduce | two_phase | allgather | powersgd."""
+
+    kind: str
+    collective: str = "two_phase"
+    block: int = 0
+    ratio: float = 0.0
+    fp16_values: bool = False
+    rank: int = 0  # powersgd
+
+    @staticmethod
+    def parse(name: str) -> "Codec":
+        name = name.strip()
+        if name in TORCH_HOOKS:
+            return Codec(TORCH_HOOKS[name], collective="allreduce")
+        head, *opts = name.split(":")
+        if head in ("fp32", "fp16", "bf16") and not opts:
+            return Codec(head)
+        if head in ("int8", "sign"):
+            block = DEFAULT_INT8_BLOCK if head == "int8" else DEFAULT_SIGN_BLOCK
+            for o in opts:
+                if not o.startswith("block="):
+                    raise ValueError(f"codec {name!r}: unknown option {o!r} (expected block=N)")
+                block = _int(o[6:], name)
+            if block < 32 or block > 65536 or block % 32:
+                raise ValueError(f"codec {name!r}: block must be a multiple of 32 in [32, 65536]")
+            return Codec(head, block=block)
+        if head == "topk":
+            if not opts:
+                raise ValueError(f"codec {name!r}: topk needs a ratio, e.g. topk:0.01")
+            try:
+                ratio = float(opts[0])
+            except ValueError:
+                raise ValueError(f"codec {name!r}: ratio {opts[0]!r} is not a number") from None
+            if not (0.0 < ratio <= 1.0):
+                raise ValueError(f"codec {name!r}: ratio must be in (0, 1]")
+            fp16 = False
+            for o in opts[1:]:
+                if o not in ("values=fp16", "values=fp32"):
+                    raise ValueError(f"codec {name!r}: unknown option {o!r}")
+                fp16 = o == "values=fp16"
+            return Codec("topk", "allgather", ratio=ratio, fp16_values=fp16)
+        if head == "powersgd":
+            rank = _int(opts[0], name) if opts else 1
+            if rank < 1 or len(opts) > 1:
+                raise ValueError(f"codec {name!r}: expected powersgd[:RANK] with RANK >= 1")
+            return Codec("powersgd", "powersgd", rank=rank)
+        raise ValueError(f"unknown codec {name!r}")
+
+    def topk_k(self, n: int) -> int:
+        # Same rule as gradzip::Codec::topk_k: min(n, max(1, ceil(ratio * n))), 0 for n == 0.
+        return 0 if n == 0 else min(n, max(1, math.ceil(self.ratio * n)))
+
+    def encoded_bytes(self, n: int) -> int:
+        """Header + payload bytes of one gradzip message of n elements (wire.hpp payload_layout)."""
+        if self.kind == "fp32":
+            payload = 4 * n
+        elif self.kind in ("fp16", "bf16"):
+            payload = 2 * n
+        elif self.kind == "int8":
+            payload = _align16(4 * _ceil_div(n, self.block)) + n
+        elif self.kind == "sign":
+            payload = _align16(4 * _ceil_div(n, self.block)) + 4 * _ceil_div(n, 32)
+        elif self.kind == "topk":
+            payload = self.topk_k(n) * (4 + (2 if self.fp16_values else 4))
+        else:
+            raise ValueError(f"{self.kind} has no gradzip wire format")
+        return HEADER_BYTES + payload
+
+
+def _int(s: str, name: str) -> int:
+    try:
+        return int(s)
+    except ValueError:
+        raise ValueError(f"codec {name!r}: {s!r} is not an integer") from None
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _align16(a: int) -> int:
+    return (a + 15) & ~15
+
+
+# --- links and collectives ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Link:
+    """One direction of each worker's link. efficiency: goodput / line rate (TCP/IP and Ethernet
+    framing: 1448 payload bytes in a 1514-byte frame is 0.956)."""
+
+    gbps: float
+    latency_s: float = 50e-6
+    efficiency: float = 0.95
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.gbps * 1e9 / 8 * self.efficiency
+
+
+@dataclass(frozen=True)
+class Cost:
+    """Time and bytes a collective (or a sum of them) costs one rank."""
+
+    seconds: float = 0.0
+    sent_bytes: float = 0.0
+    messages: int = 0  # latency-bound steps
+
+    def __add__(self, o: "Cost") -> "Cost":
+        return Cost(self.seconds + o.seconds, self.sent_bytes + o.sent_bytes,
+                    self.messages + o.messages)
+
+
+def _steps(count: int, step_bytes: float, link: Link) -> Cost:
+    return Cost(count * (link.latency_s + step_bytes / link.bytes_per_s), count * step_bytes, count)
+
+
+def ring_allreduce(nbytes: float, p: int, link: Link) -> Cost:
+    """Reduce-scatter then all-gather around a ring: 2(p-1) steps of S/p bytes."""
+    return Cost() if p <= 1 else _steps(2 * (p - 1), nbytes / p, link)
+
+
+def ring_allgather(nbytes_each: float, p: int, link: Link) -> Cost:
+    """Every rank's s bytes reach every other rank: p-1 steps of s bytes."""
+    return Cost() if p <= 1 else _steps(p - 1, nbytes_each, link)
+
+
+def alltoall(nbytes_per_peer: float, p: int, link: Link) -> Cost:
+    """Pairwise exchange: p-1 steps, each sending one peer its s bytes."""
+    return Cost() if p <= 1 else _steps(p - 1, nbytes_per_peer, link)
+
+
+def two_phase(codec: Codec, n: int, p: int, link: Link) -> Cost:
+    """All-to-all of encoded shards, fp32 sum at the shard owner, re-encode, all-gather."""
+    shard = codec.encoded_bytes(_ceil_div(n, p))
+    return alltoall(shard, p, link) + ring_allgather(shard, p, link)
+
+
+# --- codec compute --------------------------------------------------------------------------------
+
+# Bytes per element each pass must move (DESIGN.md "byte floors"): fused error-feedback encode
+# (read grad + residual, write residual + payload) and decode-add (read payload + out, write out).
+ENCODE_EF_BYTES = {"fp32": 0.0, "fp16": 14.0, "bf16": 14.0, "int8": 13.0, "sign": 12.1,
+                   "topk": 16.0, "powersgd": 0.0}
+DECODE_ADD_BYTES = {"fp32": 0.0, "fp16": 10.0, "bf16": 10.0, "int8": 9.0, "sign": 8.2,
+                    "topk": 8.0, "powersgd": 0.0}
+
+
+@dataclass(frozen=True)
+class CodecSpeed:
+    """Elements per second of the fused error-feedback encode and of decode-add (dense elements;
+    top-k's decode-add is charged per kept element)."""
+
+    encode_ef: float
+    decode_add: float
+
+    @staticmethod
+    def from_memory_bandwidth(codec: Codec, gbytes_per_s: float) -> "CodecSpeed":
+        bw = gbytes_per_s * 1e9
+        e, d = ENCODE_EF_BYTES[codec.kind], DECODE_ADD_BYTES[codec.kind]
+        return CodecSpeed(bw / e if e else math.inf, bw / d if d else math.inf)
+
+
+def measure_codec_speed(spec: str, n: int = 1 << 22, repeats: int = 3) -> CodecSpeed:
+    """Times gradzip's own ops on this machine (best of `repeats`). Needs the built extension."""
+    import torch
+    import gradzip
+
+    grad = torch.randn(n)
+    residual = torch.zeros(n)
+    out = torch.zeros(n)
+    payload = gradzip.encode_with_feedback(grad, residual, spec)  # warm-up, and a real payload
+    gradzip.decode_add(payload, out)
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    t_enc = best(lambda: gradzip.encode_with_feedback(grad, residual, spec))
+    t_dec = best(lambda: gradzip.decode_add(payload, out))
+    decoded = Codec.parse(spec).topk_k(n) if spec.startswith("topk") else n
+    return CodecSpeed(n / t_enc, decoded / t_dec)
+
+
+def codec_speeds(names: Iterable[str], measure: bool = False,
+                 mem_gbytes_per_s: float = 3800.0) -> dict[str, CodecSpeed | None]:
+    """Codec speed for each hook name: timed through gradzip's ops (measure=True; PyTorch's
+    16-bit hooks are charged gradzip's cast of the same width), or memory-bound at the given
+    bandwidth. None where a hook runs no codec (DDP's all-reduce, PowerSGD)."""
+    out: dict[str, CodecSpeed | None] = {}
+    for name in names:
+        codec = Codec.parse(name)
+        if codec.collective == "powersgd" or (codec.kind == "fp32" and codec.collective == "allreduce"):
+            out[name] = None
+        elif measure:
+            out[name] = measure_codec_speed(codec.kind if codec.collective == "allreduce" else name)
+        else:
+            out[name] = CodecSpeed.from_memory_bandwidth(codec, mem_gbytes_per_s)
+    return out
+
+
+def codec_compute_s(codec: Codec, n: int, p: int, speed: CodecSpeed | None) -> float:
+    """Seconds of codec work one rank does for one bucket of n elements."""
+    if speed is None or codec.collective == "powersgd":
+        return 0.0  # PowerSGD's matmuls are not modelled
+    if codec.kind == "fp32" and codec.collective == "allreduce":
+        return 0.0  # DDP's own all-reduce: no codec
+    if codec.collective == "allreduce":  # 16-bit hooks: cast down, cast back
+        return n / speed.encode_ef + n / speed.decode_add
+    if codec.collective == "two_phase":
+        shard = _ceil_div(n, p)
+        # encode all shards; decode-add p copies of my shard; re-encode it; decode the gathered n.
+        return (n + shard) / speed.encode_ef + (p * shard + n) / speed.decode_add
+    return n / speed.encode_ef + p * codec.topk_k(n) / speed.decode_add  # all-gather (top-k)
+
+
+# --- buckets and a step ---------------------------------------------------------------------------
+
+Shape = tuple[int, ...]
+
+
+def numel(shape: Shape) -> int:
+    return math.prod(shape)
+
+
+def ddp_buckets(shapes: Sequence[Shape], cap_bytes: int = 25 * 2**20,
+                first_cap_bytes: int = 2**20, element_bytes: int = 4) -> list[list[Shape]]:
+    """DDP's bucket assignment after its rebuild: parameters in reverse order (the order their
+    gradients become ready), a bucket closes once it reaches its cap; the first cap is small."""
+    buckets: list[list[Shape]] = []
+    cur: list[Shape] = []
+    size = 0
+    for shape in reversed(list(shapes)):
+        cur.append(tuple(shape))
+        size += numel(shape) * element_bytes
+        if size >= (first_cap_bytes if not buckets else cap_bytes):
+            buckets.append(cur)
+            cur, size = [], 0
+    if cur:
+        buckets.append(cur)
+    return buckets
+
+
+def powersgd_plan(shapes: Iterable[Shape], rank: int, min_compression_rate: float = 2.0):
+    """Elements PowerSGD all-reduces for one bucket: (uncompressed, P, Q), following
+    torch's powerSGD_hook: tensors of ndim > 1 viewed as (shape[0], rest) are compressed when
+    (rows + cols) * rank * min_compression_rate < rows * cols."""
+    plain = p_elems = q_elems = 0
+    for shape in shapes:
+        if len(shape) <= 1:
+            plain += numel(shape)
+            continue
+        rows, cols = shape[0], numel(shape) // shape[0]
+        r = min(rows, cols, rank)
+        if (rows + cols) * r * min_compression_rate < rows * cols:
+            p_elems += rows * r
+            q_elems += cols * r
+        else:
+            plain += rows * cols
+    return plain, p_elems, q_elems
+
+
+def bucket_cost(codec: Codec, shapes: Sequence[Shape], p: int, link: Link,
+                speed: CodecSpeed | None = None,
+                min_compress_numel: int = GRADZIP_MIN_COMPRESS_NUMEL) -> Cost:
+    """Communication plus codec compute for one bucket holding tensors of the given shapes."""
+    n = sum(numel(s) for s in shapes)
+    c = codec.collective
+    if c == "allreduce":
+        comm = ring_allreduce((4 if codec.kind == "fp32" else 2) * n, p, link)
+    elif n < max(min_compress_numel, p, 1):  # gradzip sends small buckets uncompressed
+        return ring_allreduce(4 * n, p, link)
+    elif c == "two_phase":
+        comm = two_phase(codec, n, p, link)
+    elif c == "allgather":
+        comm = ring_allgather(codec.encoded_bytes(n), p, link)
+    else:  # powersgd: the uncompressed tensors, then P, then Q, each an all-reduce
+        plain, pe, qe = powersgd_plan(shapes, codec.rank)
+        comm = ring_allreduce(4 * plain, p, link)
+        if pe:
+            comm = comm + ring_allreduce(4 * pe, p, link) + ring_allreduce(4 * qe, p, link)
+    return comm + Cost(seconds=codec_compute_s(codec, n, p, speed))
+
+
+def step_cost(codec: Codec | str, buckets: Sequence[Sequence[Shape]], p: int, link: Link,
+              speed: CodecSpeed | None = None) -> Cost:
+    """One training step's communication: the buckets one after the other, no overlap."""
+    codec = Codec.parse(codec) if isinstance(codec, str) else codec
+    total = Cost()
+    for shapes in buckets:
+        total = total + bucket_cost(codec, shapes, p, link, speed)
+    return total
+
+
+@dataclass(frozen=True)
+class BreakEven:
+    """Where a codec stops paying against a baseline, as link bandwidth varies (p fixed).
+    pays_below: the codec is faster for bandwidths below `gbps` (the usual case); if False,
+    faster above it. gbps == inf with pays_below: always faster; gbps == 0 with pays_below:
+    never faster."""
+
+    gbps: float
+    pays_below: bool = True
+
+    def __str__(self) -> str:
+        if self.pays_below and math.isinf(self.gbps):
+            return "always"
+        if self.pays_below and self.gbps == 0:
+            return "never"
+        return f"{'<' if self.pays_below else '>'}{_fmt_gbps(self.gbps)}"
+
+
+def _fmt_gbps(g: float) -> str:
+    return f"{g:.3g}" if g < 1000 else f"{g:.0f}"
+
+
+def break_even(codec: Codec | str, baseline: Codec | str, buckets, p: int, link: Link,
+               speed: CodecSpeed | None = None, base_speed: CodecSpeed | None = None) -> BreakEven:
+    """Step comm time is a + c / bandwidth for each side; solve a_c + c_c/B = a_b + c_b/B."""
+    def coeffs(cd, sp):
+        t1 = step_cost(cd, buckets, p, Link(1.0, link.latency_s, link.efficiency), sp).seconds
+        t2 = step_cost(cd, buckets, p, Link(2.0, link.latency_s, link.efficiency), sp).seconds
+        c = 2.0 * (t1 - t2)  # t(B) = a + c/B  =>  t1 - t2 = c/2
+        return t1 - c, c
+
+    ac, cc = coeffs(codec, speed)
+    ab, cb = coeffs(baseline, base_speed)
+    dc, da = cb - cc, ac - ab  # codec faster at B  <=>  dc / B > da
+    eps = 1e-15
+    if dc > eps:
+        return BreakEven(math.inf if da <= 0 else dc / da, pays_below=True)
+    if dc < -eps:
+        return BreakEven(0.0, True) if da >= 0 else BreakEven(dc / da, pays_below=False)
+    return BreakEven(math.inf if da < 0 else 0.0, pays_below=True)
+
+
+# The hooks the bandwidth benchmark runs, in the order of its table.
+BENCH_HOOKS = ("none", "torch-fp16", "torch-bf16", "powersgd:2", "bf16", "int8", "sign",
+               "topk:0.01")
+
+
+if __name__ == "__main__":
+    import sys
+
+    from gradzip.costmodel_cli import main
+
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""`python -m gradzip.costmodel`: project each hook's communication time to many workers and links.
+
+Prints, for a model's DDP bucket layout: the predicted communication time per step on a grid of
+world sizes x link bandwidths, and for each codec the bandwidth below which it beats the fp32
+all-reduce and the bf16 all-reduce (above it, the codec no longer pays for itself).
+
+  python -m gradzip.costmodel                          # vit-l14, 8..1024 workers, 10..400 Gbit/s
+  python -m gradzip.costmodel --model vit-s14 --measure   # codec speed timed via gradzip's ops
+  python -m gradzip.costmodel --params 1e9             # a flat model of 1e9 parameters
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from gradzip import costmodel as cm
+
+
+def model_shapes(name: str) -> list[tuple[int, ...]]:
+    """Parameter shapes of a gradzip.converge model, built on the meta device (no memory)."""
+    import torch
+    from gradzip.converge.models import build_model
+
+    with torch.device("meta"):
+        model = build_model(name)
+    return [tuple(p.shape) for p in model.parameters() if p.requires_grad]
+
+
+def flat_shapes(params: int, width: int = 4096) -> list[tuple[int, ...]]:
+    """A stand-in model: square-ish matrices of width x width, then a remainder vector."""
+    shapes = [(width, width)] * (params // (width * width))
+    rest = params - sum(a * b for a, b in shapes)
+    return shapes + ([(rest,)] if rest else [])
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m gradzip.costmodel", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="vit-l14", help="gradzip.converge config (default vit-l14)")
+    ap.add_argument("--params", type=float, help="instead of --model: a flat model of N params")
+    ap.add_argument("--workers", default="8,64,256,1024", help="world sizes, comma-separated")
+    ap.add_argument("--gbps", default="10,25,100,400", help="link rates in Gbit/s")
+    ap.add_argument("--latency-us", type=float, default=20.0, help="alpha per message (us)")
+    ap.add_argument("--efficiency", type=float, default=0.95, help="goodput / line rate")
+    ap.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb")
+    ap.add_argument("--mem-gbps", type=float, default=3800.0,
+                    help="memory bandwidth the codec passes run at, GB/s (default: ~80%% of an "
+                         "H200's HBM); ignored with --measure")
+    ap.add_argument("--measure", action="store_true",
+                    help="time gradzip's ops on this machine for the codec speed")
+    ap.add_argument("--codecs", default=",".join(cm.BENCH_HOOKS[1:]),
+                    help="codecs/hooks to compare against the fp32 all-reduce")
+    args = ap.parse_args(argv)
+    try:
+        args.workers = [int(w) for w in _floats(args.workers)]
+        args.gbps = _floats(args.gbps)
+        args.codecs = [c for c in args.codecs.split(",") if c]
+        for c in args.codecs:
+            cm.Codec.parse(c)
+    except ValueError as e:
+        ap.error(str(e))
+    if not args.workers or min(args.workers) < 2 or not args.gbps or min(args.gbps) <= 0:
+        ap.error("--workers must be >= 2 and --gbps > 0")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.params:
+        shapes, label = flat_shapes(int(args.params)), f"flat {args.params:.3g} params"
+    else:
+        try:
+            shapes, label = model_shapes(args.model), args.model
+        except (ImportError, ValueError) as e:
+            print(f"error: cannot build model {args.model!r}: {e} (use --params N)", file=sys.stderr)
+            return 2
+    buckets = cm.ddp_buckets(shapes, cap_bytes=int(args.bucket_mb * 2**20))
+    n = sum(cm.numel(s) for s in shapes)
+    codecs = ["none"] + [c for c in args.codecs if c != "none"]
+    sp = cm.codec_speeds(codecs, args.measure, args.mem_gbps)
+    speed_note = "measured here via gradzip ops" if args.measure else \
+        f"memory-bound at {args.mem_gbps:g} GB/s"
+    print(f"# gradzip cost model: {label}, {n / 1e6:.1f}M parameters in {len(buckets)} buckets; "
+          f"alpha {args.latency_us:g} us, efficiency {args.efficiency:g}; codec speed {speed_note}")
+    print()
+    print("## Predicted communication time per step (ms), no overlap with backward")
+    print()
+    print("| workers | Gbit/s | " + " | ".join(codecs) + " |")
+    print("|---:|---:|" + "---:|" * len(codecs))
+    for p in args.workers:
+        for g in args.gbps:
+            link = cm.Link(g, args.latency_us * 1e-6, args.efficiency)
+            cells = [f"{cm.step_cost(c, buckets, p, link, sp[c]).seconds * 1e3:.1f}" for c in codecs]
+            print(f"| {p} | {g:g} | " + " | ".join(cells) + " |")
+    link = cm.Link(1.0, args.latency_us * 1e-6, args.efficiency)
+    for base in ("none", "torch-bf16"):
+        print()
+        print(f"## Break-even link rate (Gbit/s) against {base}: the codec is faster below "
+              "'<X', faster above '>X'")
+        print()
+        others = [c for c in codecs if c != base]
+        print("| codec | " + " | ".join(f"{p} workers" for p in args.workers) + " |")
+        print("|---|" + "---:|" * len(args.workers))
+        base_speed = sp.get(base) or cm.codec_speeds([base], args.measure, args.mem_gbps)[base]
+        for c in others:
+            cells = [str(cm.break_even(c, base, buckets, p, link, sp[c], base_speed))
+                     for p in args.workers]
+            print(f"| {c} | " + " | ".join(cells) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

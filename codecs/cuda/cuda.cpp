@@ -1,0 +1,243 @@
+// gradzip::cuda: argument checks, header construction and dispatch to the kernels of kernels/.
+// Host code only (compiled by the C++ compiler); the kernels are behind kernels/launch.hpp.
+#include "gradzip/cuda.hpp"
+
+#include <cstdint>
+#include <cstring>
+#include <mutex>
+#include <string>
+
+#include "../../kernels/launch.hpp"
+#include "workspace.hpp"
+
+namespace gradzip {
+namespace detail {
+
+size_t cuda_workspace_bytes(const CodecSpec& spec, size_t n) {
+  return spec.kind == CodecKind::topk ? kernels::topk_workspace_bytes(n) : 0;
+}
+
+}  // namespace detail
+
+namespace cuda {
+namespace {
+
+void check_cuda(cudaError_t e, const char* what) {
+  if (e != cudaSuccess)
+    throw Error(Status::cuda_error, std::string("gradzip: ") + what + ": " + cudaGetErrorString(e));
+}
+
+bool aligned(const void* p, size_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
+
+// p must be device (or managed) memory of the current device, 4-byte aligned. Null is allowed
+// only when nothing is read or written through it.
+void require_device_pointer(const void* p, const char* what, bool may_be_null = false) {
+  if (p == nullptr) {
+    if (may_be_null) return;
+    throw Error(Status::invalid_argument, std::string("gradzip::cuda: ") + what + " is null");
+  }
+  cudaPointerAttributes attr{};
+  if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
+    cudaGetLastError();  // clear the error of an unregistered host pointer
+    attr.type = cudaMemoryTypeUnregistered;
+  }
+  if (attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged)
+    throw Error(Status::invalid_argument, std::string("gradzip::cuda: ") + what +
+                                              " is host memory: pass device memory, or use the "
+                                              "host API (gradzip::Codec::encode / gradzip::decode)");
+  if (attr.type == cudaMemoryTypeDevice) {
+    int dev = 0;
+    check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
+    if (attr.device != dev)
+      throw Error(Status::invalid_argument,
+                  std::string("gradzip::cuda: ") + what + " is on device " +
+                      std::to_string(attr.device) + " but the current device is " + std::to_string(dev));
+  }
+  if (!aligned(p, 4))
+    throw Error(Status::invalid_argument,
+                std::string("gradzip::cuda: ") + what + " must be 4-byte aligned on the GPU");
+}
+
+int sm_count() {
+  int dev = 0, v = 0;
+  check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
+  check_cuda(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute");
+  return v;
+}
+
+void encode_impl(const Codec& codec, const float* grad, float* residual, size_t n, void* out,
+                 size_t out_bytes, cudaStream_t stream, float prescale, void* workspace,
+                 size_t workspace_bytes) {
+  const size_t need = codec.encoded_bytes(n);  // range checks (count, top-k 32-bit indices)
+  if (out_bytes < need)
+    throw Error(Status::invalid_argument, "gradzip::cuda: output buffer of " +
+                                              std::to_string(out_bytes) + " bytes, the encoding needs " +
+                                              std::to_string(need));
+  require_device_pointer(grad, "input", n == 0);
+  if (residual != nullptr) require_device_pointer(residual, "residual");
+  require_device_pointer(out, "output");
+  const CodecSpec& spec = codec.spec();
+  const size_t ws_need = detail::cuda_workspace_bytes(spec, n);
+  if (ws_need > 0) {
+    if (workspace == nullptr || workspace_bytes < ws_need)
+      throw Error(Status::invalid_argument,
+                  "gradzip::cuda: " + codec.name() + " needs a device workspace of " +
+                      std::to_string(ws_need) + " bytes (Codec::workspace_bytes), got " +
+                      std::to_string(workspace == nullptr ? 0 : workspace_bytes));
+    require_device_pointer(workspace, "workspace");
+    if (!aligned(workspace, 16))
+      throw Error(Status::invalid_argument, "gradzip::cuda: workspace must be 16-byte aligned");
+  }
+
+  const uint32_t param = codec.wire_param(n);
+  const PayloadLayout layout = payload_layout(spec.kind, n, param, spec.fp16_values);
+  WireHeader h{};
+  h.magic = kWireMagic;
+  h.version = kWireVersion;
+  h.codec = static_cast<uint8_t>(spec.kind);
+  h.dtype = static_cast<uint8_t>(DType::f32);
+  h.count = n;
+  h.param = param;
+  h.flags = spec.kind == CodecKind::topk && spec.fp16_values ? kTopkFlagFp16Values : 0u;
+  h.payload_bytes = layout.bytes;
+
+  kernels::EncodeLaunch a{};
+  a.grad = grad;
+  a.residual = residual;
+  a.prescale = prescale;
+  a.n = n;
+  a.out = static_cast<uint8_t*>(out);
+  std::memcpy(a.header.w, &h, sizeof h);
+  a.vec = aligned(grad, 16) && aligned(residual, 16) && aligned(out, 16);
+  a.sm_count = sm_count();
+  a.stream = stream;
+  switch (spec.kind) {
+    case CodecKind::fp32:
+    case CodecKind::fp16:
+    case CodecKind::bf16: kernels::launch_cast_encode(spec.kind, a); break;
+    case CodecKind::int8: kernels::launch_int8_encode(a, spec.block, layout.section1); break;
+    case CodecKind::sign: kernels::launch_sign_encode(a, spec.block, layout.section1); break;
+    case CodecKind::topk: kernels::launch_topk_encode(a, param, spec.fp16_values, workspace); break;
+  }
+  check_cuda(cudaGetLastError(), "kernel launch");
+}
+
+// Turns a status word into the Error the host decode would throw.
+void throw_if_rejected(const kernels::DecodeStatus& st) {
+  using R = kernels::DecodeReason;
+  const auto reason = static_cast<R>(st.code);
+  const std::string d = std::to_string(st.detail);
+  std::string why;
+  switch (reason) {
+    case R::ok:
+      if (st.count_mismatch != 0)
+        throw Error(Status::size_mismatch,
+                    "gradzip::cuda: the payload's element count differs from the output's");
+      return;
+    case R::bad_magic: why = "bad magic (not a gradzip message)"; break;
+    case R::bad_version: why = "unsupported wire version " + d; break;
+    case R::bad_codec: why = "unknown codec id " + d; break;
+    case R::bad_dtype: why = "unsupported dtype " + d; break;
+    case R::bad_count: why = "element count " + d + " out of range"; break;
+    case R::bad_param: why = "bad codec parameter " + d; break;
+    case R::bad_k: why = "top-k k=" + d + " out of range for the element count"; break;
+    case R::bad_flags: why = "bad flags " + d; break;
+    case R::bad_payload_bytes: why = "payload_bytes " + d + " does not match the codec's layout"; break;
+    case R::wrong_length: why = "wire of " + d + " bytes is not header + payload_bytes long"; break;
+    case R::bad_padding: why = "nonzero padding or unused sign bits at payload byte " + d; break;
+    case R::bad_index:
+      why = "top-k index at position " + std::to_string(st.detail / 2) +
+            ((st.detail & 1) ? " is not above the previous one (indices must increase)"
+                             : " is out of range");
+      break;
+    default: why = "unknown status " + std::to_string(st.code); break;
+  }
+  throw Error(Status::corrupt_payload, "gradzip::cuda: corrupt payload: " + why);
+}
+
+std::mutex& sync_decode_mutex() {
+  static std::mutex m;
+  return m;
+}
+
+void decode_impl(const void* wire, size_t bytes, float* out, size_t n, cudaStream_t stream,
+                 void* workspace, size_t workspace_bytes, bool add) {
+  require_device_pointer(wire, "wire");
+  require_device_pointer(out, "output", n == 0);
+  if (bytes < kHeaderBytes)
+    throw Error(Status::corrupt_payload, "gradzip::cuda: corrupt payload: " + std::to_string(bytes) +
+                                             " bytes is shorter than the 32-byte header");
+  kernels::DecodeLaunch a{};
+  a.wire = static_cast<const uint8_t*>(wire);
+  a.bytes = bytes;
+  a.out = out;
+  a.n = n;
+  a.add = add;
+  a.sm_count = sm_count();
+  a.stream = stream;
+  if (workspace != nullptr) {
+    if (workspace_bytes < kDecodeWorkspaceBytes || !aligned(workspace, 16))
+      throw Error(Status::invalid_argument, "gradzip::cuda: the decode workspace needs " +
+                                                std::to_string(kDecodeWorkspaceBytes) +
+                                                " bytes, 16-byte aligned");
+    require_device_pointer(workspace, "workspace");
+    a.status = static_cast<kernels::DecodeStatus*>(workspace);
+    kernels::launch_decode(a);
+    check_cuda(cudaGetLastError(), "kernel launch");
+    return;
+  }
+  std::lock_guard<std::mutex> lock(sync_decode_mutex());
+  a.status = kernels::sync_status_word();
+  if (a.status == nullptr) check_cuda(cudaGetLastError(), "cudaGetSymbolAddress");
+  kernels::launch_decode(a);
+  check_cuda(cudaGetLastError(), "kernel launch");
+  kernels::DecodeStatus st{};
+  check_cuda(cudaMemcpyAsync(&st, a.status, sizeof st, cudaMemcpyDeviceToHost, stream), "cudaMemcpyAsync");
+  check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+  throw_if_rejected(st);
+}
+
+}  // namespace
+
+bool available() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return count > 0;
+}
+
+void encode(const Codec& codec, const float* in, size_t n, void* out, size_t out_bytes,
+            cudaStream_t stream, float prescale, void* workspace, size_t workspace_bytes) {
+  encode_impl(codec, in, nullptr, n, out, out_bytes, stream, prescale, workspace, workspace_bytes);
+}
+
+void encode_with_feedback(const Codec& codec, const float* grad, float* residual, size_t n,
+                          void* out, size_t out_bytes, cudaStream_t stream, float prescale,
+                          void* workspace, size_t workspace_bytes) {
+  if (residual == nullptr && n != 0)
+    throw Error(Status::invalid_argument, "gradzip::cuda: residual is null");
+  encode_impl(codec, grad, residual, n, out, out_bytes, stream, prescale, workspace, workspace_bytes);
+}
+
+void decode(const void* wire, size_t bytes, float* out, size_t n, cudaStream_t stream,
+            void* workspace, size_t workspace_bytes) {
+  decode_impl(wire, bytes, out, n, stream, workspace, workspace_bytes, false);
+}
+
+void decode_add(const void* wire, size_t bytes, float* out, size_t n, cudaStream_t stream,
+                void* workspace, size_t workspace_bytes) {
+  decode_impl(wire, bytes, out, n, stream, workspace, workspace_bytes, true);
+}
+
+void check_decode(const void* workspace, cudaStream_t stream) {
+  require_device_pointer(workspace, "workspace");
+  kernels::DecodeStatus st{};
+  check_cuda(cudaMemcpyAsync(&st, workspace, sizeof st, cudaMemcpyDeviceToHost, stream), "cudaMemcpyAsync");
+  check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+  throw_if_rejected(st);
+}
+
+}  // namespace cuda
+}  // namespace gradzip

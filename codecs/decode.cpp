@@ -1,0 +1,86 @@
+// decode and decode_add: validate the whole message (read_header), then run the kernels per
+// thread range. Top-k scatters its values after zeroing (decode) or onto the output (decode_add).
+#include <cstring>
+#include <string>
+
+#include "detail.hpp"
+#include "gradzip/gradzip.hpp"
+#include "parallel.hpp"
+#include "pointer_check.hpp"
+
+namespace gradzip {
+namespace {
+
+void decode_impl(const void* wire, size_t bytes, float* out, size_t n, bool add) {
+  detail::require_host_pointer(out, "out");
+  const WireHeader h = read_header(wire, bytes);
+  if (h.count != n)
+    throw Error(Status::size_mismatch, "gradzip: payload holds " + std::to_string(h.count) +
+                                           " elements, the output has " + std::to_string(n));
+  if (n > 0 && out == nullptr) throw Error(Status::invalid_argument, "gradzip: out is null");
+  const auto kind = static_cast<CodecKind>(h.codec);
+  const bool fp16_values = (h.flags & kTopkFlagFp16Values) != 0;
+  const PayloadLayout l = payload_layout(kind, n, h.param, fp16_values);
+  const char* payload = static_cast<const char*>(wire) + kHeaderBytes;
+  const detail::Kernels& k = detail::kernels();
+  switch (kind) {
+    case CodecKind::fp32:
+      detail::parallel_ranges(n, 16, [&](size_t b, size_t e) {
+        k.decode_fp32(reinterpret_cast<const float*>(payload) + b, e - b, out + b, add);
+      });
+      break;
+    case CodecKind::fp16:
+    case CodecKind::bf16: {
+      auto fn = kind == CodecKind::fp16 ? k.decode_fp16 : k.decode_bf16;
+      detail::parallel_ranges(n, 32, [&](size_t b, size_t e) {
+        fn(reinterpret_cast<const uint16_t*>(payload) + b, e - b, out + b, add);
+      });
+      break;
+    }
+    case CodecKind::int8:
+    case CodecKind::sign: {
+      const uint32_t block = h.param;
+      const auto* scales = reinterpret_cast<const float*>(payload + l.section0);
+      detail::parallel_ranges(n, block, [&](size_t b, size_t e) {
+        if (kind == CodecKind::int8)
+          k.decode_int8(scales + b / block, reinterpret_cast<const int8_t*>(payload + l.section1) + b,
+                        e - b, block, out + b, add);
+        else
+          k.decode_sign(scales + b / block,
+                        reinterpret_cast<const uint32_t*>(payload + l.section1) + b / 32, e - b,
+                        block, out + b, add);
+      });
+      break;
+    }
+    case CodecKind::topk: {
+      if (!add)
+        detail::parallel_ranges(n, 16, [&](size_t b, size_t e) {
+          std::memset(out + b, 0, (e - b) * sizeof(float));
+        });
+      const auto* idx = reinterpret_cast<const uint32_t*>(payload + l.section0);
+      const size_t kk = h.param;
+      // indices are strictly increasing (validated), so ranges of them write disjoint outputs
+      detail::parallel_ranges(kk, 16, [&](size_t b, size_t e) {
+        for (size_t j = b; j < e; ++j) {
+          const float v =
+              fp16_values
+                  ? element::fp16_to_float(reinterpret_cast<const uint16_t*>(payload + l.section1)[j])
+                  : reinterpret_cast<const float*>(payload + l.section1)[j];
+          out[idx[j]] = add ? out[idx[j]] + v : v;
+        }
+      });
+      break;
+    }
+  }
+}
+
+}  // namespace
+
+void decode(const void* wire, size_t bytes, float* out, size_t n) {
+  decode_impl(wire, bytes, out, n, false);
+}
+void decode_add(const void* wire, size_t bytes, float* out, size_t n) {
+  decode_impl(wire, bytes, out, n, true);
+}
+
+}  // namespace gradzip

@@ -1,0 +1,67 @@
+// Run-time choice of the kernel table: the widest instruction set this CPU supports, or the one
+// named by GRADZIP_CPU_ISA (portable, avx2, avx512) when that is supported.
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+
+#include "detail.hpp"
+#include "gradzip/gradzip.hpp"
+
+namespace gradzip::detail {
+namespace {
+
+bool supported(const char* name) {
+  if (std::strcmp(name, "portable") == 0) return true;
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                    __builtin_cpu_supports("f16c") && __builtin_cpu_supports("bmi2");
+  if (std::strcmp(name, "avx2") == 0) return avx2;
+  if (std::strcmp(name, "avx512") == 0)
+    return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+#endif
+  return false;
+}
+
+const Kernels* table_for(const char* name) {
+  if (!supported(name)) return nullptr;
+#if defined(__x86_64__)
+  if (std::strcmp(name, "avx512") == 0) return &kernels_avx512();
+  if (std::strcmp(name, "avx2") == 0) return &kernels_avx2();
+#endif
+  if (std::strcmp(name, "portable") == 0) return &kernels_portable();
+  return nullptr;
+}
+
+const Kernels* pick() {
+  if (const char* env = std::getenv("GRADZIP_CPU_ISA"))
+    if (const Kernels* k = table_for(env)) return k;
+  for (const char* name : {"avx512", "avx2", "portable"})
+    if (const Kernels* k = table_for(name)) return k;
+  return &kernels_portable();
+}
+
+std::atomic<const Kernels*> g_table{nullptr};
+
+}  // namespace
+
+const Kernels& kernels() {
+  const Kernels* k = g_table.load(std::memory_order_acquire);
+  if (k == nullptr) {
+    k = pick();
+    g_table.store(k, std::memory_order_release);
+  }
+  return *k;
+}
+
+bool force_isa(const char* name) {
+  const Kernels* k = table_for(name);
+  if (k == nullptr) return false;
+  g_table.store(k, std::memory_order_release);
+  return true;
+}
+
+}  // namespace gradzip::detail
+
+const char* gradzip::cpu_isa() { return detail::kernels().isa; }

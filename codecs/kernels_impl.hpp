@@ -1,0 +1,364 @@
+// The CPU kernels, written once and compiled once per instruction set: isa_<name>.cpp defines
+// GZ_ISA_NS and includes this file, and CMake builds it with that ISA's -m flags. The loops are
+// plain calls of the element.hpp functions, shaped (fixed-width inner loops, no early exits,
+// separate max/sum and emit passes per block) so that GCC vectorises them; the element math is
+// never re-implemented here. Everything below has internal linkage except the table accessor,
+// so no out-of-line copy compiled for one ISA can be picked by the linker for another.
+#ifndef GZ_ISA_NS
+#error "define GZ_ISA_NS before including kernels_impl.hpp"
+#endif
+
+#include <type_traits>
+
+#include "detail.hpp"
+
+#define GZ_CAT2(a, b) a##b
+#define GZ_CAT(a, b) GZ_CAT2(a, b)
+
+namespace gradzip::detail {
+namespace {
+namespace el = gradzip::element;
+
+// c[i] of the encoders; EF selects the fused error-feedback input.
+template <bool EF>
+inline float cin(const float* __restrict g, const float* __restrict r, float p, size_t i) {
+  if constexpr (EF) return el::ef_input(g[i], p, r[i]);
+  else return g[i] * p;
+}
+
+template <class F>
+inline void with_ef(const EncodeArgs& a, F&& f) {
+  if (a.residual) f(std::true_type{});
+  else f(std::false_type{});
+}
+
+inline size_t min_sz(size_t a, size_t b) { return a < b ? a : b; }
+inline float abs_f(float x) { return el::bits_float(el::abs_bits(x)); }
+
+// ---- casts ----------------------------------------------------------------------------------
+template <bool EF>
+void fp32_t(const float* __restrict g, float* __restrict r, float p, size_t n,
+            float* __restrict out) {
+  for (size_t i = 0; i < n; ++i) {
+    const float c = cin<EF>(g, r, p, i);
+    out[i] = c;
+    if constexpr (EF) r[i] = el::ef_residual(c, c, r[i]);
+  }
+}
+template <bool EF>
+void fp16_t(const float* __restrict g, float* __restrict r, float p, size_t n,
+            uint16_t* __restrict out) {
+  for (size_t i = 0; i < n; ++i) {
+    const float c = cin<EF>(g, r, p, i);
+    const uint16_t h = el::float_to_fp16(c);
+    out[i] = h;
+    if constexpr (EF) r[i] = el::ef_residual(c, el::fp16_to_float(h), r[i]);
+  }
+}
+template <bool EF>
+void bf16_t(const float* __restrict g, float* __restrict r, float p, size_t n,
+            uint16_t* __restrict out) {
+  for (size_t i = 0; i < n; ++i) {
+    const float c = cin<EF>(g, r, p, i);
+    const uint16_t h = el::float_to_bf16(c);
+    out[i] = h;
+    if constexpr (EF) r[i] = el::ef_residual(c, el::bf16_to_float(h), r[i]);
+  }
+}
+
+void encode_fp32(EncodeArgs a, size_t n, float* out) {
+  with_ef(a, [&](auto ef) { fp32_t<ef.value>(a.grad, a.residual, a.prescale, n, out); });
+}
+void encode_fp16(EncodeArgs a, size_t n, uint16_t* out) {
+  with_ef(a, [&](auto ef) { fp16_t<ef.value>(a.grad, a.residual, a.prescale, n, out); });
+}
+void encode_bf16(EncodeArgs a, size_t n, uint16_t* out) {
+  with_ef(a, [&](auto ef) { bf16_t<ef.value>(a.grad, a.residual, a.prescale, n, out); });
+}
+
+// ---- int8: per block, max pass then quantise + residual pass (the block stays in L1) ----------
+template <bool EF>
+void int8_t_(const float* __restrict g, float* __restrict r, float p, size_t n, uint32_t block,
+             float* __restrict scales, int8_t* __restrict q) {
+  for (size_t s = 0, b = 0; s < n; s += block, ++b) {
+    const size_t len = min_sz(block, n - s);
+    const float* gb = g + s;
+    float* rb = EF ? r + s : nullptr;
+    uint32_t m = 0;
+    for (size_t i = 0; i < len; ++i) {
+      const uint32_t k = el::abs_bits(cin<EF>(gb, rb, p, i));
+      m = k > m ? k : m;
+    }
+    const float scale = el::int8_scale(m);
+    const float inv = el::int8_inv_scale(m);
+    scales[b] = scale;
+    int8_t* qb = q + s;
+    // Quantise, then the residual in its own loop: fused into one, GCC does not if-convert it.
+    // The block is still in L1, so the second read costs no memory traffic.
+    for (size_t i = 0; i < len; ++i) qb[i] = el::int8_quantize(cin<EF>(gb, rb, p, i), inv);
+    if constexpr (EF)
+      for (size_t i = 0; i < len; ++i)
+        rb[i] = el::ef_residual(cin<EF>(gb, rb, p, i), el::int8_dequantize(qb[i], scale), rb[i]);
+  }
+}
+void encode_int8(EncodeArgs a, size_t n, uint32_t block, float* scales, int8_t* q) {
+  with_ef(a, [&](auto ef) {
+    int8_t_<ef.value>(a.grad, a.residual, a.prescale, n, block, scales, q);
+  });
+}
+
+// ---- sign: per block, the fixed 32-lane mean |x| tree, then bits + residual -------------------
+template <bool EF>
+void sign_t(const float* __restrict g, float* __restrict r, float p, size_t n, uint32_t block,
+            float* __restrict scales, uint32_t* __restrict words) {
+  for (size_t s = 0, b = 0; s < n; s += block, ++b) {
+    const size_t len = min_sz(block, n - s);
+    const float* gb = g + s;
+    float* rb = EF ? r + s : nullptr;
+    // lane j sums elements j, j+32, ... in increasing order (element.hpp); 32 lanes = 2 zmm.
+    alignas(64) float lanes[el::kSignLanes] = {};
+    size_t i = 0;
+    for (; i + el::kSignLanes <= len; i += el::kSignLanes)
+      for (int j = 0; j < el::kSignLanes; ++j)
+        lanes[j] = lanes[j] + abs_f(cin<EF>(gb, rb, p, i + j));
+    for (size_t j = 0; i + j < len; ++j) lanes[j] = lanes[j] + abs_f(cin<EF>(gb, rb, p, i + j));
+    const float scale = el::sign_lane_tree(lanes) / static_cast<float>(len);
+    scales[b] = scale;
+    // Bits, then the residual in its own loop (as for int8: fused, GCC leaves it scalar). The
+    // block is in L1 by now.
+    uint32_t* wb = words + s / 32;
+    for (i = 0; i < len; i += 32) {
+      const size_t m = min_sz(32, len - i);  // tail word: bits past n stay 0
+      uint32_t w = 0;
+      for (size_t j = 0; j < m; ++j) w |= el::sign_bit(cin<EF>(gb, rb, p, i + j)) << j;
+      wb[i / 32] = w;
+    }
+    if constexpr (EF)
+      for (i = 0; i < len; ++i) {
+        const float c = cin<EF>(gb, rb, p, i);
+        rb[i] = el::ef_residual(c, el::sign_decode(el::sign_bit(c), scale), rb[i]);
+      }
+  }
+}
+void encode_sign(EncodeArgs a, size_t n, uint32_t block, float* scales, uint32_t* words) {
+  with_ef(a, [&](auto ef) {
+    sign_t<ef.value>(a.grad, a.residual, a.prescale, n, block, scales, words);
+  });
+}
+
+// ---- decoders ---------------------------------------------------------------------------------
+template <bool ADD>
+inline void store(float* __restrict out, size_t i, float v) {
+  if constexpr (ADD) out[i] = out[i] + v;
+  else out[i] = v;
+}
+
+template <bool ADD>
+void fp32_dec_t(const float* __restrict in, size_t n, float* __restrict out) {
+  for (size_t i = 0; i < n; ++i) store<ADD>(out, i, in[i]);
+}
+template <bool ADD>
+void fp16_dec_t(const uint16_t* __restrict in, size_t n, float* __restrict out) {
+  for (size_t i = 0; i < n; ++i) store<ADD>(out, i, el::fp16_to_float(in[i]));
+}
+template <bool ADD>
+void bf16_dec_t(const uint16_t* __restrict in, size_t n, float* __restrict out) {
+  for (size_t i = 0; i < n; ++i) store<ADD>(out, i, el::bf16_to_float(in[i]));
+}
+template <bool ADD>
+void int8_dec_t(const float* __restrict scales, const int8_t* __restrict q, size_t n,
+                uint32_t block, float* __restrict out) {
+  for (size_t s = 0, b = 0; s < n; s += block, ++b) {
+    const size_t len = min_sz(block, n - s);
+    const float scale = scales[b];
+    for (size_t i = 0; i < len; ++i)
+      store<ADD>(out + s, i, el::int8_dequantize(q[s + i], scale));
+  }
+}
+template <bool ADD>
+void sign_dec_t(const float* __restrict scales, const uint32_t* __restrict words, size_t n,
+                uint32_t block, float* __restrict out) {
+  for (size_t s = 0, b = 0; s < n; s += block, ++b) {
+    const size_t len = min_sz(block, n - s);
+    const float scale = scales[b];
+    for (size_t i = 0; i < len; i += 32) {
+      const uint32_t w = words[(s + i) / 32];
+      float* o = out + s + i;
+      if (i + 32 <= len) {
+        for (uint32_t j = 0; j < 32; ++j) store<ADD>(o, j, el::sign_decode((w >> j) & 1u, scale));
+      } else {
+        for (size_t j = 0; i + j < len; ++j)
+          store<ADD>(o, j, el::sign_decode((w >> j) & 1u, scale));
+      }
+    }
+  }
+}
+
+#define GZ_ADD_DISPATCH(fn, ...) \
+  do {                           \
+    if (add) fn<true>(__VA_ARGS__); \
+    else fn<false>(__VA_ARGS__);    \
+  } while (0)
+
+void decode_fp32(const float* in, size_t n, float* out, bool add) {
+  GZ_ADD_DISPATCH(fp32_dec_t, in, n, out);
+}
+void decode_fp16(const uint16_t* in, size_t n, float* out, bool add) {
+  GZ_ADD_DISPATCH(fp16_dec_t, in, n, out);
+}
+void decode_bf16(const uint16_t* in, size_t n, float* out, bool add) {
+  GZ_ADD_DISPATCH(bf16_dec_t, in, n, out);
+}
+void decode_int8(const float* scales, const int8_t* q, size_t n, uint32_t block, float* out,
+                 bool add) {
+  GZ_ADD_DISPATCH(int8_dec_t, scales, q, n, block, out);
+}
+void decode_sign(const float* scales, const uint32_t* words, size_t n, uint32_t block,
+                 float* out, bool add) {
+  GZ_ADD_DISPATCH(sign_dec_t, scales, words, n, block, out);
+}
+#undef GZ_ADD_DISPATCH
+
+// ---- top-k ------------------------------------------------------------------------------------
+constexpr int kShift0 = el::kTopkDigitShift[0];
+constexpr size_t kSub = 256;  // sub-block: vectorised pass into an L1 buffer, then a scalar pass
+
+template <bool EF>
+void hist0_t(const float* __restrict g, const float* __restrict r, float p, size_t n,
+             uint32_t* __restrict hist) {
+  // Four sub-histograms: runs of equal digits (common: gradients share exponents) would
+  // otherwise serialise on one counter.
+  alignas(64) uint32_t sub[4][el::kTopkRadix] = {};
+  alignas(64) uint32_t d[kSub];
+  for (size_t s = 0; s < n; s += kSub) {
+    const size_t m = min_sz(kSub, n - s);
+    for (size_t i = 0; i < m; ++i) d[i] = el::topk_key(cin<EF>(g, r, p, s + i)) >> kShift0;
+    size_t i = 0;
+    for (; i + 4 <= m; i += 4) {
+      ++sub[0][d[i]];
+      ++sub[1][d[i + 1]];
+      ++sub[2][d[i + 2]];
+      ++sub[3][d[i + 3]];
+    }
+    for (; i < m; ++i) ++sub[0][d[i]];
+  }
+  for (int k = 0; k < el::kTopkRadix; ++k) hist[k] += sub[0][k] + sub[1][k] + sub[2][k] + sub[3][k];
+}
+void topk_hist0(EncodeArgs a, size_t n, uint32_t* hist) {
+  with_ef(a, [&](auto ef) { hist0_t<ef.value>(a.grad, a.residual, a.prescale, n, hist); });
+}
+
+// Flag scans: a sub-block's flags (0/1 bytes) are read 8 at a time; kept elements are rare.
+
+template <class F>
+inline void for_each_flag(const uint8_t* flags, size_t m, F&& f) {
+  size_t i = 0;
+  for (; i + 8 <= m; i += 8) {
+    uint64_t w;
+    __builtin_memcpy(&w, flags + i, 8);
+    while (w) {
+      const int bit = __builtin_ctzll(w);
+      f(i + static_cast<size_t>(bit >> 3));
+      w &= w - 1;
+    }
+  }
+  for (; i < m; ++i)
+    if (flags[i]) f(i);
+}
+
+template <bool EF>
+size_t collect_t(const float* __restrict g, const float* __restrict r, float p, size_t n,
+                 uint32_t base, uint32_t d0, uint32_t* __restrict cand, uint64_t* above) {
+  size_t count = 0;
+  uint32_t up = 0;
+  alignas(64) uint8_t eq[kSub];
+  for (size_t s = 0; s < n; s += kSub) {
+    const size_t m = min_sz(kSub, n - s);
+    uint32_t up_sub = 0, any = 0;
+    for (size_t i = 0; i < m; ++i) {  // vectorised: digits, flags, count above
+      const uint32_t d = el::topk_key(cin<EF>(g, r, p, s + i)) >> kShift0;
+      eq[i] = d == d0;
+      any |= d == d0;
+      up_sub += d > d0;
+    }
+    up += up_sub;
+    if (any)
+      for_each_flag(eq, m, [&](size_t i) { cand[count++] = base + static_cast<uint32_t>(s + i); });
+  }
+  *above = up;
+  return count;
+}
+size_t topk_collect(EncodeArgs a, size_t n, uint32_t base, uint32_t d0, uint32_t* cand,
+                    uint64_t* above) {
+  size_t count = 0;
+  with_ef(a, [&](auto ef) {
+    count = collect_t<ef.value>(a.grad, a.residual, a.prescale, n, base, d0, cand, above);
+  });
+  return count;
+}
+
+template <bool EF>
+size_t emit_t(const float* __restrict g, float* __restrict r, float p, size_t n, uint32_t base,
+              uint32_t threshold, uint64_t ties, uint32_t* __restrict idx, void* values,
+              bool fp16_values) {
+  size_t kept = 0;
+  alignas(64) float c[kSub], old[kSub];
+  alignas(64) uint8_t hit[kSub];
+  for (size_t s = 0; s < n; s += kSub) {
+    const size_t m = min_sz(kSub, n - s);
+    uint32_t any = 0;
+    for (size_t i = 0; i < m; ++i) {  // vectorised: every element as if not kept
+      const float ci = cin<EF>(g, r, p, s + i);
+      c[i] = ci;
+      const uint8_t h = el::topk_key(ci) >= threshold;
+      hit[i] = h;
+      any |= h;
+      if constexpr (EF) {
+        const float o = r[s + i];
+        old[i] = o;
+        r[s + i] = el::ef_residual(ci, 0.0f, o);
+      }
+    }
+    if (!any) continue;
+    for_each_flag(hit, m, [&](size_t i) {  // rare: keys at or above the threshold
+      const uint32_t key = el::topk_key(c[i]);
+      if (key == threshold) {
+        if (ties == 0) return;
+        --ties;
+      }
+      idx[kept] = base + static_cast<uint32_t>(s + i);
+      float decoded = c[i];
+      if (fp16_values) {
+        const uint16_t h = el::float_to_fp16(c[i]);
+        static_cast<uint16_t*>(values)[kept] = h;
+        decoded = el::fp16_to_float(h);
+      } else {
+        static_cast<float*>(values)[kept] = c[i];
+      }
+      if constexpr (EF) r[s + i] = el::ef_residual(c[i], decoded, old[i]);
+      ++kept;
+    });
+  }
+  return kept;
+}
+size_t topk_emit(EncodeArgs a, size_t n, uint32_t base, uint32_t threshold, uint64_t ties,
+                 uint32_t* idx, void* values, bool fp16_values) {
+  size_t kept = 0;
+  with_ef(a, [&](auto ef) {
+    kept = emit_t<ef.value>(a.grad, a.residual, a.prescale, n, base, threshold, ties, idx, values,
+                            fp16_values);
+  });
+  return kept;
+}
+
+constexpr Kernels kTable{
+    GZ_ISA_NAME, encode_fp32, encode_fp16, encode_bf16, encode_int8, encode_sign,
+    decode_fp32, decode_fp16, decode_bf16, decode_int8, decode_sign,
+    topk_hist0,  topk_collect, topk_emit,
+};
+
+}  // namespace
+
+const Kernels& GZ_CAT(kernels_, GZ_ISA_NS)() { return kTable; }
+
+}  // namespace gradzip::detail

@@ -1,0 +1,25 @@
+// How the CPU top-k splits its input and uses the caller's workspace. The split depends on n only
+// (never on the thread count), so the selection is the same for any number of threads.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace gradzip::detail {
+
+constexpr size_t kTopkMaxChunks = 64;
+constexpr size_t kTopkMinChunk = 65536;
+
+inline size_t topk_chunk_len(size_t n) {
+  const size_t even = (n + kTopkMaxChunks - 1) / kTopkMaxChunks;
+  const size_t len = even < kTopkMinChunk ? kTopkMinChunk : even;
+  return (len + 63) & ~size_t{63};
+}
+inline size_t topk_num_chunks(size_t n) {
+  return n == 0 ? 0 : (n + topk_chunk_len(n) - 1) / topk_chunk_len(n);
+}
+
+// Candidate indices (u32) of the threshold bucket: at most one per element.
+inline size_t topk_workspace_bytes(size_t n) { return 4 * n; }
+
+}  // namespace gradzip::detail

@@ -1,0 +1,143 @@
+// Decoders of every codec, gated by a device-side validation of the wire bytes.
+//
+// The wire lives in device memory, so it is validated there: validate_header (one thread) checks
+// the header against the caller's (bytes, n) with the same rules as the host (validate.hpp) and
+// writes the status word; for top-k, validate_indices checks every index (< n, strictly
+// increasing). The decode kernels that follow on the stream read the status word first and write
+// nothing unless it is ok, so a corrupt payload never causes an out-of-bounds access.
+#include <algorithm>
+
+#include "common.cuh"
+#include "validate.hpp"
+
+namespace gradzip::kernels {
+namespace {
+
+constexpr int kV = 4;
+__device__ DecodeStatus g_sync_status;  // the synchronous decode's status word (one per device)
+
+__global__ void validate_header_kernel(const uint8_t* wire, uint64_t bytes, size_t n, DecodeStatus* st) {
+  const WireHeader h = load_header(wire);
+  const HeaderCheck r = check_message(h, bytes, wire + kHeaderBytes);
+  const bool ok = r.reason == DecodeReason::ok;
+  st->code = static_cast<uint32_t>(r.reason);
+  st->count_mismatch = ok && h.count != n ? 1u : 0u;
+  // Index failures are merged with atomicMin on (2 * position + kind): start from the top.
+  st->detail = ok ? kNoFault : r.detail;
+}
+
+__global__ void __launch_bounds__(kThreads) validate_indices_kernel(const uint8_t* wire, DecodeStatus* st) {
+  // Runs only after a valid header; other blocks of this kernel may already have set bad_index.
+  const uint32_t code = st->code;
+  if (code != 0 && code != static_cast<uint32_t>(DecodeReason::bad_index)) return;
+  const WireHeader h = load_header(wire);
+  if (h.codec != static_cast<uint8_t>(CodecKind::topk)) return;
+  const uint32_t k = h.param;
+  const uint32_t* idx = reinterpret_cast<const uint32_t*>(wire + kHeaderBytes);
+  for (uint64_t j = static_cast<uint64_t>(blockIdx.x) * kThreads + threadIdx.x; j < k;
+       j += static_cast<uint64_t>(gridDim.x) * kThreads) {
+    const uint64_t bad = index_fault(idx, j, h.count);
+    if (bad != kNoFault) {
+      atomicMin(reinterpret_cast<unsigned long long*>(&st->detail), static_cast<unsigned long long>(bad));
+      atomicExch(&st->code, static_cast<uint32_t>(DecodeReason::bad_index));
+    }
+  }
+}
+
+// Every codec, 4 elements per thread; top-k only zero-fills here (decode) and scatters below.
+template <bool Add>
+__global__ void __launch_bounds__(kThreads)
+    decode_kernel(const uint8_t* wire, float* out, size_t n, const DecodeStatus* st, bool vec_out) {
+  if (!decode_allowed(st)) return;
+  const size_t i = (static_cast<size_t>(blockIdx.x) * kThreads + threadIdx.x) * kV;
+  if (i >= n) return;
+  const WireHeader h = load_header(wire);
+  const CodecKind kind = static_cast<CodecKind>(h.codec);
+  if (Add && kind == CodecKind::topk) return;
+  const int valid = n - i < kV ? static_cast<int>(n - i) : kV;
+  const uint8_t* payload = wire + kHeaderBytes;
+  const PayloadLayout l = payload_layout(kind, n, h.param, (h.flags & kTopkFlagFp16Values) != 0);
+  const auto* f32 = reinterpret_cast<const float*>(payload);
+  const auto* u16 = reinterpret_cast<const uint16_t*>(payload);
+  float v[kV];
+#pragma unroll
+  for (int j = 0; j < kV; ++j) {
+    v[j] = 0.0f;
+    if (j >= valid) continue;
+    const size_t e = i + j;
+    switch (kind) {
+      case CodecKind::fp32: v[j] = f32[e]; break;
+      case CodecKind::fp16: v[j] = el::fp16_to_float(u16[e]); break;
+      case CodecKind::bf16: v[j] = el::bf16_to_float(u16[e]); break;
+      case CodecKind::int8:
+        v[j] = el::int8_dequantize(reinterpret_cast<const int8_t*>(payload + l.section1)[e],
+                                   f32[e / h.param]);
+        break;
+      case CodecKind::sign: {
+        const uint32_t word = reinterpret_cast<const uint32_t*>(payload + l.section1)[e / 32];
+        v[j] = el::sign_decode((word >> (e % 32)) & 1u, f32[e / h.param]);
+        break;
+      }
+      case CodecKind::topk: break;  // zero; the kept values are scattered afterwards
+    }
+  }
+  if (vec_out && valid == kV) {
+    float4* o = reinterpret_cast<float4*>(out + i);
+    if (Add) {
+      const float4 p = *o;
+      *o = make_float4(p.x + v[0], p.y + v[1], p.z + v[2], p.w + v[3]);
+    } else {
+      *o = make_float4(v[0], v[1], v[2], v[3]);
+    }
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < kV; ++j)
+    if (j < valid) out[i + j] = Add ? out[i + j] + v[j] : v[j];
+}
+
+template <bool Add>
+__global__ void __launch_bounds__(kThreads)
+    topk_scatter_kernel(const uint8_t* wire, float* out, const DecodeStatus* st) {
+  if (!decode_allowed(st)) return;
+  const WireHeader h = load_header(wire);
+  if (h.codec != static_cast<uint8_t>(CodecKind::topk)) return;
+  const uint32_t k = h.param;
+  const uint32_t* idx = reinterpret_cast<const uint32_t*>(wire + kHeaderBytes);
+  const uint8_t* values = wire + kHeaderBytes + 4ull * k;
+  const bool fp16 = (h.flags & kTopkFlagFp16Values) != 0;
+  for (uint64_t j = static_cast<uint64_t>(blockIdx.x) * kThreads + threadIdx.x; j < k;
+       j += static_cast<uint64_t>(gridDim.x) * kThreads) {
+    const float v = fp16 ? el::fp16_to_float(reinterpret_cast<const uint16_t*>(values)[j])
+                         : reinterpret_cast<const float*>(values)[j];
+    float& o = out[idx[j]];
+    o = Add ? o + v : v;
+  }
+}
+
+}  // namespace
+
+DecodeStatus* sync_status_word() {
+  void* p = nullptr;
+  if (cudaGetSymbolAddress(&p, g_sync_status) != cudaSuccess) return nullptr;
+  return static_cast<DecodeStatus*>(p);
+}
+
+void launch_decode(const DecodeLaunch& a) {
+  // Top-k holds at most (bytes - header) / 6 entries (u32 index + fp16 value) and at most n.
+  const uint64_t kmax = std::min<uint64_t>(a.n, (a.bytes - kHeaderBytes) / 6);
+  const unsigned k_grid = std::min<unsigned>(grid_for(kmax, kThreads), static_cast<unsigned>(a.sm_count) * 8);
+  const unsigned grid = grid_for(a.n, uint64_t{kThreads} * kV);
+  const bool vec_out = reinterpret_cast<uintptr_t>(a.out) % 16 == 0;
+  validate_header_kernel<<<1, 1, 0, a.stream>>>(a.wire, a.bytes, a.n, a.status);
+  validate_indices_kernel<<<k_grid, kThreads, 0, a.stream>>>(a.wire, a.status);
+  if (a.add) {
+    decode_kernel<true><<<grid, kThreads, 0, a.stream>>>(a.wire, a.out, a.n, a.status, vec_out);
+    topk_scatter_kernel<true><<<k_grid, kThreads, 0, a.stream>>>(a.wire, a.out, a.status);
+  } else {
+    decode_kernel<false><<<grid, kThreads, 0, a.stream>>>(a.wire, a.out, a.n, a.status, vec_out);
+    topk_scatter_kernel<false><<<k_grid, kThreads, 0, a.stream>>>(a.wire, a.out, a.status);
+  }
+}
+
+}  // namespace gradzip::kernels

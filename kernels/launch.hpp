@@ -1,0 +1,86 @@
+// Host-side interface of the CUDA kernels: plain C++ (no CUDA language), so codecs/cuda/ can be
+// compiled by the host compiler. Every launcher is asynchronous on the given stream, allocates
+// nothing and assumes the arguments were checked by codecs/cuda/cuda.cpp (pointers on the device,
+// 4-byte aligned, buffers large enough).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "gradzip/wire.hpp"
+
+namespace gradzip::kernels {
+
+// The 32-byte wire header as eight words, passed by value to the kernel that writes it.
+struct HeaderWords {
+  uint32_t w[8];
+};
+
+// Outcome of the device-side validation of a payload (16 bytes at the start of the decode
+// workspace, or in a library-owned device word for the synchronous decode).
+enum class DecodeReason : uint32_t {
+  ok = 0,
+  bad_magic,
+  bad_version,
+  bad_codec,
+  bad_dtype,
+  bad_count,          // element count beyond the library's limit (2^48; top-k 2^32 - 1)
+  bad_param,          // block size out of range, or param set for a codec that has none
+  bad_k,              // top-k count 0 or larger than the element count
+  bad_flags,
+  bad_payload_bytes,  // payload_bytes differs from the codec's layout
+  wrong_length,       // the buffer is not exactly header + payload_bytes long
+  bad_padding,        // nonzero padding after the scales, or sign bits set past the count
+  bad_index,          // top-k index out of range or not increasing (see DecodeStatus::detail)
+};
+// The status word. Decoders write only when code == 0 and count_mismatch == 0; the element count
+// is compared last, as on the host (a corrupt payload is reported as corrupt, not as a mismatch).
+struct DecodeStatus {
+  uint32_t code;            // DecodeReason
+  uint32_t count_mismatch;  // 1: valid payload, but its element count differs from n
+  uint64_t detail;          // header value involved; bad_index: 2 * position + (1: not increasing)
+};
+static_assert(sizeof(DecodeStatus) == 16, "status word is 16 bytes");
+
+struct EncodeLaunch {
+  const float* grad;
+  float* residual;  // null: plain encode
+  float prescale;
+  size_t n;
+  uint8_t* out;     // wire start (header), 4-byte aligned
+  HeaderWords header;
+  bool vec;         // grad, residual and out are 16-byte aligned: use 16-byte accesses
+  int sm_count;
+  cudaStream_t stream;
+};
+
+// fp32 / fp16 / bf16 (n >= 0; n == 0 writes the header only).
+void launch_cast_encode(CodecKind kind, const EncodeLaunch& a);
+// Blockwise codecs; section1 = byte offset of the q bytes / sign words in the payload.
+void launch_int8_encode(const EncodeLaunch& a, uint32_t block, uint64_t section1);
+void launch_sign_encode(const EncodeLaunch& a, uint32_t block, uint64_t section1);
+
+// Top-k: k >= 1 and k <= n < 2^32. Workspace of topk_workspace_bytes(n) bytes, 16-byte aligned.
+size_t topk_workspace_bytes(size_t n);
+void launch_topk_encode(const EncodeLaunch& a, uint32_t k, bool fp16_values, void* workspace);
+
+struct DecodeLaunch {
+  const uint8_t* wire;  // 4-byte aligned
+  uint64_t bytes;       // >= kHeaderBytes
+  float* out;           // 4-byte aligned
+  size_t n;
+  bool add;             // out += decoded
+  DecodeStatus* status;  // device memory, 16-byte aligned
+  int sm_count;
+  cudaStream_t stream;
+};
+// Validates the header against (bytes, n) and, for top-k, every index; writes *status; then
+// decodes when (and only when) the status is ok. Kernels only: nothing is synchronised.
+void launch_decode(const DecodeLaunch& a);
+
+// The library-owned status word of the current device (synchronous decode without workspace).
+DecodeStatus* sync_status_word();
+
+}  // namespace gradzip::kernels

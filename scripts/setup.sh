@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Installs everything gradzip needs on a fresh Debian machine, idempotently:
+#   - Debian packages (compiler, CMake, GoogleTest, Google Benchmark, clang + libFuzzer, iproute2)
+#   - a Python venv with the pinned packages of requirements.txt, kept OUTSIDE the clone at
+#     $GRADZIP_VENV (default ~/.cache/gradzip/venv-<hash of requirements.txt>) so that a fresh
+#     clone finds it again and a rerun costs seconds.
+# Prints the venv path on its last line. Usage: VENV=$(bash scripts/setup.sh | tail -n1)
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+
+debs=(build-essential cmake ninja-build libgtest-dev libgmock-dev libbenchmark-dev clang libclang-rt-14-dev llvm iproute2 python3-venv)
+missing=()
+for p in "${debs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+if ((${#missing[@]})); then
+  echo "setup: installing Debian packages: ${missing[*]}" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq >&2
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
+fi
+
+req="$here/requirements.txt"
+hash=$(sha256sum "$req" | cut -c1-12)
+venv="${GRADZIP_VENV:-$HOME/.cache/gradzip/venv-$hash}"
+if [[ ! -f "$venv/.complete" ]]; then
+  echo "setup: creating Python venv $venv (first run downloads PyTorch, several GB)" >&2
+  rm -rf "$venv"
+  mkdir -p "$(dirname "$venv")"
+  python3 -m venv "$venv"
+  "$venv/bin/python" -m pip install -q --upgrade pip >&2
+  "$venv/bin/python" -m pip install -q -r "$req" >&2
+  touch "$venv/.complete"
+fi
+echo "$venv"

@@ -1,0 +1,317 @@
+// Every codec through the same properties on random data of odd sizes: error bounds against a
+// float64 reference, the error-feedback identity, determinism across thread counts and ISAs,
+// decode_add, and non-finite handling.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <tuple>
+
+#include "detail.hpp"  // force_isa
+#include "test_util.hpp"
+
+using gradzip::Codec;
+using gradzip::CodecKind;
+using namespace gztest;
+
+namespace {
+
+const char* const kSpecs[] = {"fp32",  "fp16",          "bf16",      "int8",     "int8:block=64",
+                              "sign",  "sign:block=32", "topk:0.01", "topk:0.3",
+                              "topk:0.01:values=fp16"};
+
+// Sizes 0, 1, 7, block - 1, block + 1, 1000003 (block: the codec's, 256 for the others).
+std::vector<size_t> sizes_for(const Codec& c) {
+  const size_t block = c.spec().block ? c.spec().block : 256;
+  return {0, 1, 7, block - 1, block + 1, 1000003};
+}
+
+// c = grad * prescale (+ residual), as the codec sees it.
+std::vector<float> codec_input(const std::vector<float>& g, const std::vector<float>* r, float p) {
+  std::vector<float> c(g.size());
+  for (size_t i = 0; i < g.size(); ++i) {
+    const float s = g[i] * p;
+    c[i] = r ? s + (*r)[i] : s;
+  }
+  return c;
+}
+
+// Checks decoded against the codec's definition applied to c, with float64 references.
+void check_against_reference(const Codec& codec, const std::vector<float>& c,
+                             const std::vector<float>& dec) {
+  const size_t n = c.size();
+  ASSERT_EQ(dec.size(), n);
+  switch (codec.kind()) {
+    case CodecKind::fp32:
+      for (size_t i = 0; i < n; ++i) ASSERT_TRUE(same_bits(dec[i], c[i])) << i;
+      break;
+    case CodecKind::fp16:
+      if (!cpu_has_f16c()) GTEST_SKIP() << "no F16C for the reference";
+      for (size_t i = 0; i < n; ++i)
+        ASSERT_TRUE(same_bits(dec[i], ref_fp16_to_float(ref_fp16(c[i])))) << i << " " << c[i];
+      break;
+    case CodecKind::bf16:
+      for (size_t i = 0; i < n; ++i) {
+        const float want = gradzip::element::bits_float(uint32_t{ref_bf16(c[i])} << 16);
+        ASSERT_TRUE(same_bits(dec[i], want)) << i << " " << c[i];
+      }
+      break;
+    case CodecKind::int8: {
+      const size_t block = codec.spec().block;
+      for (size_t s = 0; s < n; s += block) {
+        const size_t e = std::min(n, s + block);
+        double absmax = 0;
+        for (size_t i = s; i < e; ++i) absmax = std::max(absmax, std::fabs(double(c[i])));
+        const double step = absmax / 127.0;
+        // half a quantisation step, plus slack for the fp32 scale and its reciprocal
+        const double tol = 0.5 * step + 4e-7 * absmax;
+        for (size_t i = s; i < e; ++i) {
+          if (absmax < std::ldexp(1.0, -100)) {
+            ASSERT_EQ(dec[i], 0.0f) << i;
+            continue;
+          }
+          ASSERT_LE(std::fabs(double(dec[i]) - c[i]), tol) << "element " << i << " block " << s / block;
+        }
+      }
+      break;
+    }
+    case CodecKind::sign: {
+      const size_t block = codec.spec().block;
+      for (size_t s = 0; s < n; s += block) {
+        const size_t e = std::min(n, s + block);
+        double sum = 0;
+        for (size_t i = s; i < e; ++i) sum += std::fabs(double(c[i]));
+        const double mean = sum / double(e - s);
+        const float scale = std::fabs(dec[s]);
+        ASSERT_NEAR(scale, mean, 1e-5 * mean + 1e-30) << "block " << s / block;
+        for (size_t i = s; i < e; ++i) {
+          const float want = std::signbit(c[i]) ? -scale : scale;
+          ASSERT_TRUE(same_bits(dec[i], want)) << i;
+        }
+      }
+      break;
+    }
+    case CodecKind::topk: {
+      const size_t k = codec.topk_k(n);
+      std::vector<uint32_t> order(n);
+      std::iota(order.begin(), order.end(), 0u);
+      // reference: largest |c| first (NaN above Inf via the key), lowest index on ties
+      std::stable_sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) {
+        return gradzip::element::topk_key(c[a]) > gradzip::element::topk_key(c[b]);
+      });
+      std::vector<char> keep(n, 0);
+      for (size_t j = 0; j < k; ++j) keep[order[j]] = 1;
+      const auto l = gradzip::payload_layout(CodecKind::topk, n, uint32_t(k), codec.spec().fp16_values);
+      (void)l;
+      for (size_t i = 0; i < n; ++i) {
+        float want = 0.0f;
+        if (keep[i]) {
+          want = c[i];
+          if (codec.spec().fp16_values) {
+            if (!cpu_has_f16c()) GTEST_SKIP();
+            want = ref_fp16_to_float(ref_fp16(c[i]));
+          }
+        }
+        // a kept value may itself be +0.0 or -0.0; compare by value there
+        if (want == 0.0f) ASSERT_EQ(dec[i], 0.0f) << i;
+        else ASSERT_TRUE(same_bits(dec[i], want)) << i << " kept=" << int(keep[i]);
+      }
+      break;
+    }
+  }
+}
+
+// The indices on the wire of a top-k message (to check the exact set, not just values).
+std::vector<uint32_t> topk_indices(const Bytes& wire) {
+  gradzip::WireHeader h;
+  std::memcpy(&h, wire.data(), sizeof h);
+  std::vector<uint32_t> idx(h.param);
+  std::memcpy(idx.data(), wire.data() + gradzip::kHeaderBytes, 4 * idx.size());
+  return idx;
+}
+
+class CodecProps : public ::testing::TestWithParam<const char*> {
+ protected:
+  Codec codec = Codec::parse(GetParam());
+  void TearDown() override { gradzip::set_num_threads(0); }
+};
+
+TEST_P(CodecProps, EncodeMatchesReference) {
+  for (size_t n : sizes_for(codec)) {
+    SCOPED_TRACE("n=" + std::to_string(n));
+    const auto g = random_grad(n, 1 + n);
+    const float p = 0.25f;
+    const auto wire = encode(codec, g, p);
+    ASSERT_EQ(wire.size(), codec.encoded_bytes(n));
+    EXPECT_NO_THROW(gradzip::read_header(wire.data(), wire.size()));
+    check_against_reference(codec, codec_input(g, nullptr, p), decode(wire, n));
+  }
+}
+
+TEST_P(CodecProps, FeedbackMatchesReferenceAndIdentity) {
+  for (size_t n : sizes_for(codec)) {
+    SCOPED_TRACE("n=" + std::to_string(n));
+    const auto g = random_grad(n, 7 + n);
+    const auto r0 = random_grad(n, 99 + n, 0.01f);
+    const float p = 0.5f;
+    const auto c = codec_input(g, &r0, p);
+    const Encoded e = encode_ef(codec, g, r0, p);
+    const auto dec = decode(e.wire, n);
+    check_against_reference(codec, c, dec);
+    // decode(payload) + residual_new == grad * p + residual_old, to fp32 rounding
+    for (size_t i = 0; i < n; ++i) {
+      const double sum = double(dec[i]) + double(e.residual[i]);
+      const double mag = std::max(std::fabs(double(c[i])), std::fabs(double(dec[i])));
+      ASSERT_LE(std::fabs(sum - c[i]), std::ldexp(mag, -24)) << i;
+      ASSERT_TRUE(same_bits(e.residual[i], c[i] - dec[i])) << i;  // element.hpp's rule
+    }
+  }
+}
+
+class TopkTies : public CodecProps {};
+
+TEST_P(TopkTies, ExactSetLowestIndexFirst) {
+  for (size_t n : {size_t{7}, size_t{1000}, size_t{300001}}) {
+    const auto g = tie_grad(n, n);
+    const auto wire = encode(codec, g);
+    const auto idx = topk_indices(wire);
+    // reference picks
+    std::vector<uint32_t> order(n);
+    std::iota(order.begin(), order.end(), 0u);
+    std::stable_sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) {
+      return std::fabs(double(g[a])) > std::fabs(double(g[b]));
+    });
+    order.resize(codec.topk_k(n));
+    std::sort(order.begin(), order.end());
+    ASSERT_EQ(idx, order) << "n=" << n;
+    check_against_reference(codec, g, decode(wire, n));
+  }
+}
+
+TEST_P(CodecProps, SameBytesForAnyThreadCount) {
+  const size_t n = 1000003;
+  const auto g = random_grad(n, 5);
+  const auto r0 = random_grad(n, 6, 0.01f);
+  gradzip::set_num_threads(1);
+  const Encoded ref = encode_ef(codec, g, r0, 0.5f);
+  for (int t : {2, 3}) {
+    gradzip::set_num_threads(t);
+    const Encoded e = encode_ef(codec, g, r0, 0.5f);
+    ASSERT_EQ(e.wire, ref.wire) << t << " threads";
+    ASSERT_EQ(0, std::memcmp(e.residual.data(), ref.residual.data(), 4 * n)) << t << " threads";
+    gradzip::set_num_threads(1);
+    const auto d1 = decode(e.wire, n);
+    gradzip::set_num_threads(t);
+    ASSERT_EQ(0, std::memcmp(decode(e.wire, n).data(), d1.data(), 4 * n));
+  }
+}
+
+TEST_P(CodecProps, SameBytesOnEveryIsa) {
+  const size_t n = 100003;
+  auto g = random_grad(n, 11);
+  // special values the vector paths must treat like element.hpp: subnormals, huge, signed zeros
+  for (size_t i = 0; i < 64; ++i) g[i * 131] = std::ldexp(float(i) - 32.0f, -140 + int(i));
+  g[5] = -0.0f;
+  g[6] = 7e4f;
+  const auto r0 = random_grad(n, 12, 0.01f);
+  const char* start = gradzip::cpu_isa();
+  ASSERT_TRUE(gradzip::detail::force_isa("portable"));
+  const Encoded ref = encode_ef(codec, g, r0, 0.5f);
+  const auto dref = decode(ref.wire, n);
+  for (const char* isa : {"avx2", "avx512"}) {
+    if (!gradzip::detail::force_isa(isa)) continue;
+    const Encoded e = encode_ef(codec, g, r0, 0.5f);
+    EXPECT_EQ(e.wire, ref.wire) << isa;
+    EXPECT_EQ(0, std::memcmp(e.residual.data(), ref.residual.data(), 4 * n)) << isa;
+    EXPECT_EQ(0, std::memcmp(decode(e.wire, n).data(), dref.data(), 4 * n)) << isa;
+  }
+  gradzip::detail::force_isa(start);
+}
+
+TEST_P(CodecProps, DecodeAddEqualsDecodePlusAdd) {
+  for (size_t n : sizes_for(codec)) {
+    const auto wire = encode(codec, random_grad(n, 3 + n));
+    const auto base = random_grad(n, 4 + n);
+    const auto dec = decode(wire, n);
+    auto acc = base;
+    gradzip::decode_add(wire.data(), wire.size(), acc.data(), n);
+    for (size_t i = 0; i < n; ++i) ASSERT_TRUE(same_bits(acc[i], base[i] + dec[i])) << i;
+  }
+}
+
+TEST_P(CodecProps, NonFiniteVisibleResidualFinite) {
+  const size_t n = 5000;
+  auto g = random_grad(n, 21);
+  const size_t nan_at = 1234, inf_at = 3001;
+  g[nan_at] = std::nanf("");
+  g[inf_at] = -INFINITY;
+  const auto r0 = random_grad(n, 22, 0.01f);
+  const Encoded e = encode_ef(codec, g, r0);
+  const auto dec = decode(e.wire, n);
+  EXPECT_FALSE(std::isfinite(dec[nan_at]));
+  EXPECT_FALSE(std::isfinite(dec[inf_at]));
+  for (size_t i = 0; i < n; ++i) ASSERT_TRUE(std::isfinite(e.residual[i])) << i;
+  // where c - decoded is not finite the residual keeps its old value
+  EXPECT_TRUE(same_bits(e.residual[nan_at], r0[nan_at]));
+  EXPECT_TRUE(same_bits(e.residual[inf_at], r0[inf_at]));
+}
+
+TEST_P(CodecProps, BufferTooSmall) {
+  const size_t n = 1000;
+  const auto g = random_grad(n, 1);
+  Bytes wire(codec.encoded_bytes(n) - 1);
+  std::vector<uint32_t> ws(codec.workspace_bytes(n) / 4 + 1);
+  try {
+    codec.encode(g.data(), n, wire.data(), wire.size(), 1.0f, ws.data(), ws.size() * 4);
+    FAIL() << "accepted a short output buffer";
+  } catch (const gradzip::Error& e) {
+    EXPECT_EQ(e.status(), gradzip::Status::invalid_argument);
+    EXPECT_NE(std::string(e.what()).find("too small"), std::string::npos);
+  }
+  if (codec.workspace_bytes(n) > 0) {
+    wire.resize(codec.encoded_bytes(n));
+    try {
+      codec.encode(g.data(), n, wire.data(), wire.size(), 1.0f, ws.data(), codec.workspace_bytes(n) - 4);
+      FAIL() << "accepted a short workspace";
+    } catch (const gradzip::Error& e) {
+      EXPECT_EQ(e.status(), gradzip::Status::invalid_argument);
+      EXPECT_NE(std::string(e.what()).find("workspace"), std::string::npos);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(AllCodecs, CodecProps, ::testing::ValuesIn(kSpecs),
+                         [](const auto& info) {
+                           std::string s = info.param;
+                           for (auto& ch : s) if (!isalnum(static_cast<unsigned char>(ch))) ch = '_';
+                           return s;
+                         });
+
+INSTANTIATE_TEST_SUITE_P(Topk, TopkTies,
+                         ::testing::Values("topk:0.01", "topk:0.3", "topk:0.01:values=fp16", "topk:1"));
+
+TEST(Codec, Int8BlockOfNaNOrHuge) {
+  const Codec c = Codec::parse("int8:block=32");
+  std::vector<float> g(64, 1.0f);
+  g[3] = 3e38f;  // finite huge: scale finite, other elements of the block quantise to 0
+  const auto dec = decode(encode(c, g), 64);
+  EXPECT_NEAR(dec[3], 3e38f, 3e38f / 254);
+  EXPECT_EQ(dec[4], 0.0f);
+  EXPECT_EQ(dec[40], 1.0f);
+}
+
+TEST(Codec, ThreadCountSetting) {
+  gradzip::set_num_threads(3);
+  EXPECT_EQ(gradzip::num_threads(), 3);
+  gradzip::set_num_threads(0);
+  EXPECT_GE(gradzip::num_threads(), 1);
+  EXPECT_THROW(gradzip::set_num_threads(-1), gradzip::Error);
+}
+
+TEST(Codec, IsaNamed) {
+  const std::string isa = gradzip::cpu_isa();
+  EXPECT_TRUE(isa == "avx512" || isa == "avx2" || isa == "portable") << isa;
+}
+
+}  // namespace

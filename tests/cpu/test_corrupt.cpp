@@ -1,0 +1,134 @@
+// Corrupt and mismatched messages: every case is a gradzip::Error with the right Status, and the
+// output is not touched.
+#include <gtest/gtest.h>
+
+#include <functional>
+
+#include "test_util.hpp"
+
+using gradzip::Codec;
+using gradzip::Status;
+using namespace gztest;
+
+namespace {
+
+constexpr size_t kN = 1000;
+
+Bytes valid(const char* spec) { return encode(Codec::parse(spec), random_grad(kN, 42)); }
+
+gradzip::WireHeader header_of(const Bytes& w) {
+  gradzip::WireHeader h;
+  std::memcpy(&h, w.data(), sizeof h);
+  return h;
+}
+void set_header(Bytes& w, const gradzip::WireHeader& h) { std::memcpy(w.data(), &h, sizeof h); }
+
+uint32_t* topk_idx(Bytes& w) { return reinterpret_cast<uint32_t*>(w.data() + gradzip::kHeaderBytes); }
+
+// Decoding `wire` into kN floats must throw `want` for decode and decode_add and leave the output
+// exactly as it was.
+void expect_rejected(const Bytes& wire, Status want, const std::string& what) {
+  for (bool add : {false, true}) {
+    std::vector<float> out(kN, 3.0f);
+    try {
+      if (add) gradzip::decode_add(wire.data(), wire.size(), out.data(), kN);
+      else gradzip::decode(wire.data(), wire.size(), out.data(), kN);
+      ADD_FAILURE() << what << ": accepted";
+    } catch (const gradzip::Error& e) {
+      EXPECT_EQ(e.status(), want) << what << ": " << e.what();
+    }
+    for (float v : out) ASSERT_EQ(v, 3.0f) << what << ": output touched";
+  }
+}
+
+struct Case {
+  const char* name;
+  const char* spec;
+  Status status;
+  std::function<void(Bytes&)> corrupt;
+};
+
+class Corrupt : public ::testing::TestWithParam<Case> {};
+
+TEST_P(Corrupt, Rejected) {
+  const Case& c = GetParam();
+  Bytes w = valid(c.spec);
+  c.corrupt(w);
+  expect_rejected(w, c.status, c.name);
+}
+
+auto edit(std::function<void(gradzip::WireHeader&)> f) {
+  return [f](Bytes& w) {
+    auto h = header_of(w);
+    f(h);
+    set_header(w, h);
+  };
+}
+
+const Case kCases[] = {
+    {"empty", "int8", Status::corrupt_payload, [](Bytes& w) { w.clear(); }},
+    {"header_truncated", "int8", Status::corrupt_payload, [](Bytes& w) { w.resize(31); }},
+    {"payload_truncated", "int8", Status::corrupt_payload, [](Bytes& w) { w.pop_back(); }},
+    {"extra_bytes", "bf16", Status::corrupt_payload, [](Bytes& w) { w.push_back(std::byte{0}); }},
+    {"wrong_magic", "fp32", Status::corrupt_payload, edit([](auto& h) { h.magic ^= 1; })},
+    {"wrong_version", "fp16", Status::corrupt_payload, edit([](auto& h) { h.version = 2; })},
+    {"unknown_codec", "fp32", Status::corrupt_payload, edit([](auto& h) { h.codec = 6; })},
+    {"unknown_dtype", "fp32", Status::corrupt_payload, edit([](auto& h) { h.dtype = 1; })},
+    {"count_mismatch", "fp32", Status::size_mismatch, [](Bytes& w) {
+       // a well-formed message for a different element count
+       w = encode(Codec::parse("fp32"), random_grad(kN + 1, 1));
+     }},
+    {"count_lies", "bf16", Status::corrupt_payload, edit([](auto& h) { h.count = kN + 1; })},
+    {"count_huge", "fp32", Status::corrupt_payload, edit([](auto& h) { h.count = ~uint64_t{0}; })},
+    {"bad_block", "int8", Status::corrupt_payload, edit([](auto& h) { h.param = 33; })},
+    {"zero_block", "sign", Status::corrupt_payload, edit([](auto& h) { h.param = 0; })},
+    {"cast_param", "fp16", Status::corrupt_payload, edit([](auto& h) { h.param = 1; })},
+    {"cast_flags", "fp16", Status::corrupt_payload, edit([](auto& h) { h.flags = 1; })},
+    {"topk_k_zero", "topk:0.01", Status::corrupt_payload, edit([](auto& h) { h.param = 0; })},
+    {"topk_k_too_big", "topk:1", Status::corrupt_payload, edit([](auto& h) { h.param = kN + 1; })},
+    {"topk_bad_flags", "topk:0.01", Status::corrupt_payload, edit([](auto& h) { h.flags = 2; })},
+    {"payload_bytes_wrong", "int8", Status::corrupt_payload,
+     edit([](auto& h) { h.payload_bytes += 1; })},
+    {"sign_tail_bits", "sign:block=32", Status::corrupt_payload,
+     [](Bytes& w) { w.back() = std::byte{0x80}; }},
+    {"topk_index_out_of_range", "topk:0.01", Status::corrupt_payload,
+     [](Bytes& w) { topk_idx(w)[9] = kN; }},
+    {"topk_index_huge", "topk:0.01", Status::corrupt_payload,
+     [](Bytes& w) { topk_idx(w)[9] = 0xFFFFFFFFu; }},
+    {"topk_out_of_order", "topk:0.01", Status::corrupt_payload,
+     [](Bytes& w) { std::swap(topk_idx(w)[3], topk_idx(w)[4]); }},
+    {"topk_duplicate", "topk:0.01", Status::corrupt_payload,
+     [](Bytes& w) { topk_idx(w)[4] = topk_idx(w)[3]; }},
+};
+
+INSTANTIATE_TEST_SUITE_P(All, Corrupt, ::testing::ValuesIn(kCases),
+                         [](const auto& info) { return std::string(info.param.name); });
+
+TEST(CorruptPadding, NonzeroPaddingRejected) {
+  // 3 scales (n = 700, block = 256): 12 bytes, 4 bytes of padding
+  const size_t n = 700;
+  Bytes w = encode(Codec::parse("int8"), random_grad(n, 1));
+  w[gradzip::kHeaderBytes + 13] = std::byte{1};
+  std::vector<float> out(n);
+  try {
+    gradzip::decode(w.data(), w.size(), out.data(), n);
+    FAIL();
+  } catch (const gradzip::Error& e) {
+    EXPECT_EQ(e.status(), Status::corrupt_payload);
+  }
+}
+
+TEST(CorruptArgs, NullWire) {
+  std::vector<float> out(4);
+  EXPECT_THROW(gradzip::decode(nullptr, 0, out.data(), 4), gradzip::Error);
+}
+
+TEST(CorruptArgs, EveryValidMessageReadsBack) {
+  for (const char* s : {"fp32", "fp16", "bf16", "int8", "sign", "topk:0.01", "topk:0.01:values=fp16"}) {
+    const Bytes w = valid(s);
+    const auto h = gradzip::read_header(w.data(), w.size());
+    EXPECT_EQ(h.count, kN) << s;
+  }
+}
+
+}  // namespace

@@ -1,0 +1,231 @@
+"""What each spawned rank runs in test_ddp.py. Module-level functions (the children import them).
+Each writes its observations with torch.save into `outdir`; the test process compares them."""
+
+import io
+import os
+import pickle
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from gradzip.ddp import CompressionState, compress_hook
+
+IN, OUT = 20, 7
+
+
+class Net(nn.Module):
+    """Three layers (several DDP buckets with a small bucket cap) and an optional unused branch."""
+
+    def __init__(self, unused_branch=False):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(IN, 48), nn.Tanh(), nn.Linear(48, 40), nn.Tanh(),
+                                  nn.Linear(40, OUT))
+        self.unused = nn.Linear(IN, 16) if unused_branch else None
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def make_model(unused_branch=False):
+    torch.manual_seed(1234)  # identical initial replicas
+    return Net(unused_branch)
+
+
+def batch(step, rank, poison=False):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(8, IN, generator=g)
+    y = torch.randn(8, OUT, generator=g)
+    if poison:
+        x[0, 0] = float("inf")
+    return x, y
+
+
+def loss_fn(model, x, y):
+    return ((model(x) - y) ** 2).mean()
+
+
+def recording_hook(records):
+    """compress_hook, also recording (step, bucket index, layout, local input, reduced output)."""
+
+    def hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        inp = bucket.buffer().clone()
+        key = (state.step, bucket.index(), tuple(tuple(p.shape) for p in bucket.parameters()))
+
+        def rec(fut):
+            out = fut.value()
+            records.append((key, inp, out.clone()))
+            return out
+
+        return compress_hook(state, bucket).then(rec)
+
+    return hook
+
+
+def make_ddp(model, cfg):
+    return DDP(model, bucket_cap_mb=cfg.get("bucket_cap_mb", 0.004),
+               static_graph=cfg.get("static_graph", False),
+               find_unused_parameters=cfg.get("find_unused", False),
+               gradient_as_bucket_view=cfg.get("bucket_view", False))
+
+
+def train(rank, world, outdir, configs):
+    """For each config: DDP + compress_hook (recorded) for a few SGD steps."""
+    for name, cfg in configs:
+        model = make_model(cfg.get("unused_branch", False))
+        ddp = make_ddp(model, cfg)
+        state = CompressionState(cfg["codec"], min_compress_numel=cfg.get("min_numel", 32),
+                                 warmup_steps=cfg.get("warmup", 0))
+        records = []
+        ddp.register_comm_hook(state, recording_hook(records))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        stats = []
+        for step in range(cfg.get("steps", 4)):
+            opt.zero_grad()
+            loss_fn(ddp, *batch(step, rank)).backward()
+            opt.step()
+            stats.append(state.stats)
+        torch.save({"records": records, "stats": stats,
+                    "params": [p.detach().clone() for p in model.parameters()],
+                    "grads": [None if p.grad is None else p.grad.clone() for p in model.parameters()]},
+                   os.path.join(outdir, f"{name}_{rank}.pt"))
+        del ddp
+
+
+def fp16_vs_pytorch(rank, world, outdir):
+    """One backward with our fp16 codec (no EF) and one with PyTorch's fp16_compress_hook."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+    grads = {}
+    for name in ("gradzip", "torch"):
+        model = make_model()
+        ddp = DDP(model, bucket_cap_mb=0.004)
+        if name == "gradzip":
+            ddp.register_comm_hook(CompressionState("fp16", error_feedback=False, min_compress_numel=0),
+                                   compress_hook)
+        else:
+            ddp.register_comm_hook(None, fp16_compress_hook)
+        loss_fn(ddp, *batch(0, rank)).backward()
+        grads[name] = [p.grad.clone() for p in model.parameters()]
+        del ddp
+    torch.save(grads, os.path.join(outdir, f"fp16_{rank}.pt"))
+
+
+def overflow(rank, world, outdir, codecs):
+    for codec in codecs:
+        overflow_one(rank, world, outdir, codec)
+
+
+def checkpoint_resume(rank, world, outdir, codecs):
+    for codec in codecs:
+        checkpoint_resume_one(rank, world, outdir, codec)
+
+
+def overflow_one(rank, world, outdir, codec):
+    """Step 2 has an Inf input on rank 0: GradScaler must skip it on every rank, the residuals must
+    stay as they were, and the later steps must train normally."""
+    model = make_model()
+    ddp = make_ddp(model, {})
+    state = CompressionState(codec, min_compress_numel=0)
+    ddp.register_comm_hook(state, compress_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    log = []
+    for step in range(5):
+        before_params = [p.detach().clone() for p in model.parameters()]
+        before = state.state_dict()["residuals"]  # settles the previous step
+        scale = scaler.get_scale()
+        opt.zero_grad()
+        x, y = batch(step, rank, poison=(step == 2 and rank == 0))
+        scaler.scale(loss_fn(ddp, x, y)).backward()
+        finite = all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())
+        scaler.step(opt)
+        scaler.update()
+        after = state.state_dict()["residuals"]
+        log.append({
+            "finite": finite,
+            "params_unchanged": all(torch.equal(a, p) for a, p in zip(before_params, model.parameters())),
+            "scale_before": scale, "scale_after": scaler.get_scale(),
+            "residuals_unchanged": bool(before) and before.keys() == after.keys() and all(
+                torch.equal(before[i][k], after[i][k]) for i in before
+                for k in ("residual", "owner_residual") if before[i][k] is not None),
+            "residuals_finite": all(bool(torch.isfinite(v["residual"]).all()) for v in after.values()),
+        })
+    torch.save({"log": log, "params": [p.detach().clone() for p in model.parameters()]},
+               os.path.join(outdir, f"overflow_{codec}_{rank}.pt"))
+
+
+def checkpoint_resume_one(rank, world, outdir, codec):
+    """Uninterrupted 5 steps vs 2 steps, checkpoint (model, optimizer, hook state), fresh DDP,
+    3 steps. find_unused_parameters=True: DDP never rebuilds its buckets, so the resumed run has the
+    saved bucket layout (see the README: residuals are keyed by bucket index and layout)."""
+    cfg = {"find_unused": True}
+
+    def setup(model):
+        ddp = make_ddp(model, cfg)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        return ddp, opt
+
+    def run(ddp, opt, steps):
+        for step in steps:
+            opt.zero_grad()
+            loss_fn(ddp, *batch(step, rank)).backward()
+            opt.step()
+
+    model = make_model()
+    ddp, opt = setup(model)
+    state = CompressionState(codec, min_compress_numel=0)
+    ddp.register_comm_hook(state, compress_hook)
+    run(ddp, opt, range(2))
+    ckpt = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()}, ckpt)
+    pickled = pickle.dumps(state)
+    run(ddp, opt, range(2, 5))
+    uninterrupted = [p.detach().clone() for p in model.parameters()]
+    del ddp
+
+    ckpt.seek(0)
+    saved = torch.load(ckpt, weights_only=False)
+    model2 = make_model()
+    with torch.no_grad():
+        for p in model2.parameters():
+            p.add_(1.0)  # make sure the checkpoint, not the seed, restores the weights
+    model2.load_state_dict(saved["model"])
+    ddp2, opt2 = setup(model2)
+    opt2.load_state_dict(saved["opt"])
+    state2 = CompressionState(codec, min_compress_numel=0)
+    state2.load_state_dict(saved["hook"])
+    ddp2.register_comm_hook(state2, compress_hook)
+    run(ddp2, opt2, range(2, 5))
+    resumed = [p.detach().clone() for p in model2.parameters()]
+    del ddp2
+
+    unpickled = pickle.loads(pickled)
+    torch.save({"uninterrupted": uninterrupted, "resumed": resumed,
+                "unpickled_group_is_none": unpickled.process_group is None,
+                "unpickled_step": unpickled.step,
+                "unpickled_residuals": {i: ef.residual for i, ef in unpickled._ef.buckets.items()},
+                "saved_residuals": {i: v["residual"] for i, v in saved["hook"]["residuals"].items()}},
+               os.path.join(outdir, f"ckpt_{codec}_{rank}.pt"))
+
+
+def mismatched(rank, world, outdir, codecs):
+    """Ranks configured with different codecs: every rank must raise at the first step."""
+    model = make_model()
+    ddp = make_ddp(model, {})
+    ddp.register_comm_hook(CompressionState(codecs[rank], min_compress_numel=0), compress_hook)
+    err = None
+    try:
+        loss_fn(ddp, *batch(0, rank)).backward()
+    except Exception as e:  # noqa: BLE001 - the message is what the test checks
+        err = f"{type(e).__name__}: {e}"
+    with open(os.path.join(outdir, f"mismatch_{rank}.txt"), "w") as f:
+        f.write(err or "NO ERROR")
+
+
+def session(rank, world, outdir, plan):
+    """Runs several scenarios in one set of processes (spawning ranks costs seconds each)."""
+    for name, args in plan:
+        globals()[name](rank, world, outdir, *args)
+        dist.barrier()

@@ -1,0 +1,234 @@
+"""The torch ops: round trips against a float64 reference on odd sizes, the error-feedback identity,
+and rejection of bad input (issue 7 item 3) with TypeError/ValueError naming the reason."""
+
+import math
+
+import pytest
+import torch
+
+import gradzip
+
+SIZES = [1, 31, 1000, 4097]
+
+
+def data(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, generator=g, dtype=torch.float64) * 3.0
+
+
+def block_absmax(x, block):
+    n = x.numel()
+    pad = (-n) % block
+    xb = torch.cat([x.abs(), x.new_zeros(pad)]).view(-1, block)
+    return xb.max(1).values.repeat_interleave(block)[:n]
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_casts_round_trip_exactly_like_torch(n):
+    x64 = data(n)
+    x = x64.float()
+    assert torch.equal(gradzip.decode(gradzip.encode(x, "fp32")), x)
+    # PyTorch's casts round to nearest even too: the decoded values must be exactly theirs
+    assert torch.equal(gradzip.decode(gradzip.encode(x, "fp16")), x.half().float())
+    assert torch.equal(gradzip.decode(gradzip.encode(x, "bf16")), x.bfloat16().float())
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("block", [32, 256])
+def test_int8_error_within_half_a_step(n, block):
+    x64 = data(n, seed=n)
+    y = gradzip.decode(gradzip.encode(x64.float(), f"int8:block={block}")).double()
+    step = block_absmax(x64.float().double(), block) / 127
+    assert ((y - x64).abs() <= 0.5 * step * (1 + 1e-5) + 1e-6).all()
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_sign_decodes_sign_times_block_mean(n):
+    block = 64
+    x = data(n, seed=7).float()
+    y = gradzip.decode(gradzip.encode(x, f"sign:block={block}"))
+    assert torch.equal(torch.signbit(y), torch.signbit(x))
+    for b in range(math.ceil(n / block)):
+        xs = x[b * block:(b + 1) * block].double()
+        assert torch.allclose(y[b * block:(b + 1) * block].abs().double(),
+                              xs.abs().mean().expand(xs.numel()), rtol=1e-5)
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("ratio", [0.01, 0.1, 1.0])
+def test_topk_keeps_the_k_largest(n, ratio):
+    x = data(n, seed=3).float()
+    y = gradzip.decode(gradzip.encode(x, f"topk:{ratio}"))
+    k = min(n, max(1, math.ceil(ratio * n)))
+    kept = y != 0
+    assert int(kept.sum()) == k
+    assert torch.equal(y[kept], x[kept])
+    assert x.abs()[kept].min() >= x.abs()[~kept].max() if k < n else True
+    assert gradzip.header(gradzip.encode(x, f"topk:{ratio}"))["param"] == k
+
+
+@pytest.mark.parametrize("spec", ["fp16", "bf16", "int8", "sign:block=32", "topk:0.05"])
+def test_encode_with_feedback_identity(spec):
+    n = 3001
+    g = data(n, seed=11).float()
+    r = data(n, seed=12).float() * 0.01
+    r_old = r.clone()
+    p = gradzip.encode_with_feedback(g, r, spec, prescale=0.5)
+    c = g * 0.5 + r_old  # element.hpp: two roundings, same order
+    assert torch.equal(r, c - gradzip.decode(p))
+    # the same bytes as a plain encode of c
+    assert torch.equal(p, gradzip.encode(c, spec))
+
+
+def test_decode_add_and_out_variants():
+    x = data(777).float()
+    p = gradzip.encode(x, "int8")
+    acc = torch.ones(777)
+    gradzip.decode_add(p, acc)
+    assert torch.equal(acc, torch.ones(777) + gradzip.decode(p))
+    out = torch.empty(777)
+    assert gradzip.decode(p, out=out) is out and torch.equal(out, gradzip.decode(p))
+    buf = torch.empty(gradzip.encoded_bytes(777, "int8"), dtype=torch.uint8)
+    assert torch.equal(gradzip.encode(x, "int8", out=buf), p)
+    assert gradzip.encoded_bytes(777, "int8") == p.numel()
+
+
+def test_half_inputs_are_upcast():
+    x = data(100).float()
+    assert torch.equal(gradzip.encode(x.bfloat16(), "bf16"), gradzip.encode(x.bfloat16().float(), "bf16"))
+    assert torch.equal(gradzip.encode(x.half(), "int8"), gradzip.encode(x.half().float(), "int8"))
+
+
+def test_nonfinite_stays_visible_and_residual_unpoisoned():
+    g = data(512).float()
+    g[5] = float("inf")
+    g[300] = float("nan")
+    for spec in ("fp16", "int8:block=32", "sign:block=32", "topk:0.01"):
+        r = torch.zeros(512)
+        y = gradzip.decode(gradzip.encode_with_feedback(g, r, spec))
+        assert not torch.isfinite(y).all(), spec
+        assert torch.isfinite(r).all(), spec
+
+
+def test_canonical_spec():
+    assert gradzip.canonical_spec("int8") == gradzip.canonical_spec(gradzip.canonical_spec("int8"))
+
+
+# ---- hostile input -----------------------------------------------------------------------------
+def test_wrong_dtypes_raise_type_error():
+    with pytest.raises(TypeError, match="float32"):
+        gradzip.encode(torch.zeros(10, dtype=torch.float64), "int8")
+    with pytest.raises(TypeError, match="float32"):
+        gradzip.encode(torch.zeros(10, dtype=torch.int32), "int8")
+    with pytest.raises(TypeError, match="residual must be float32"):
+        gradzip.encode_with_feedback(torch.zeros(10), torch.zeros(10, dtype=torch.float64), "int8")
+    p = gradzip.encode(torch.zeros(10), "int8")
+    with pytest.raises(TypeError, match="uint8"):
+        gradzip.decode(p.to(torch.int8))
+    with pytest.raises(TypeError, match="float32"):
+        gradzip.decode_add(p, torch.zeros(10, dtype=torch.float16))
+    with pytest.raises(TypeError):
+        gradzip.encode([1.0, 2.0], "int8")
+    with pytest.raises(TypeError):
+        gradzip.encode(torch.zeros(4), 8)
+
+
+def test_non_contiguous_raises_value_error():
+    x = torch.zeros(10, 10)
+    with pytest.raises(ValueError, match="contiguous"):
+        gradzip.encode(x.t(), "int8")
+    with pytest.raises(ValueError, match="contiguous"):
+        gradzip.encode_with_feedback(torch.zeros(50), torch.zeros(100)[::2], "int8")
+    p = gradzip.encode(torch.zeros(10), "fp32")
+    with pytest.raises(ValueError, match="contiguous"):
+        gradzip.decode(torch.cat([p, p]).view(2, -1).t().reshape(-1)[::2])
+    with pytest.raises(ValueError, match="contiguous"):
+        gradzip.decode_add(p, torch.zeros(20)[::2])
+
+
+def test_wrongly_placed_tensors_raise_value_error():
+    with pytest.raises(ValueError, match="device"):
+        gradzip.encode(torch.zeros(10, device="meta"), "int8")
+    p = gradzip.encode(torch.zeros(10), "int8")
+    with pytest.raises(ValueError, match="device"):
+        gradzip.decode_add(p, torch.zeros(10, device="meta"))
+
+
+def test_aliasing_and_sizes_raise_value_error():
+    g = torch.zeros(64)
+    with pytest.raises(ValueError, match="share memory"):
+        gradzip.encode_with_feedback(g, g, "int8")
+    with pytest.raises(ValueError, match="elements"):
+        gradzip.encode_with_feedback(torch.zeros(64), torch.zeros(63), "int8")
+    with pytest.raises(ValueError, match="bytes"):
+        gradzip.encode(torch.zeros(64), "int8", out=torch.empty(10, dtype=torch.uint8))
+    p = gradzip.encode(torch.zeros(64), "int8")
+    with pytest.raises(ValueError):
+        gradzip.decode_add(p, torch.zeros(65))  # size mismatch
+    with pytest.raises(ValueError):
+        gradzip.encoded_bytes(-1, "int8")
+
+
+@pytest.mark.parametrize("spec", ["", " ", "int9", "int8:block=33", "topk", "topk:0", "topk:1.5",
+                                  "sign:block=0", "fp16:extra"])
+def test_bad_specs_raise_value_error(spec):
+    with pytest.raises(ValueError, match="spec"):
+        gradzip.encode(torch.zeros(8), spec)
+    with pytest.raises(ValueError):
+        gradzip.encoded_bytes(8, spec)
+
+
+@pytest.mark.parametrize("spec", ["fp16", "int8:block=32", "sign:block=32", "topk:0.1"])
+def test_corrupt_payloads_raise_value_error(spec):
+    x = data(200).float()
+    p = gradzip.encode(x, spec)
+    cases = {
+        "empty": p[:0],
+        "truncated header": p[:20],
+        "truncated payload": p[:-1],
+        "extra byte": torch.cat([p, p[:1]]),
+    }
+    bad_magic = p.clone()
+    bad_magic[0] ^= 0xFF
+    cases["magic"] = bad_magic
+    bad_version = p.clone()
+    bad_version[4] = 99
+    cases["version"] = bad_version
+    bad_codec = p.clone()
+    bad_codec[6] = 77
+    cases["codec"] = bad_codec
+    big_count = p.clone()
+    big_count[8:16] = torch.tensor([0xFF] * 8, dtype=torch.uint8)
+    cases["count"] = big_count
+    for name, q in cases.items():
+        with pytest.raises(ValueError, match="gradzip"):
+            gradzip.decode(q)
+        with pytest.raises(ValueError):
+            gradzip.decode_add(q, torch.zeros(200))
+    # top-k: indices out of range / not increasing
+    if spec.startswith("topk"):
+        k = gradzip.header(p)["param"]
+        idx = p[32:32 + 4 * k].view(torch.int32)
+        for bad in (200, -1):
+            q = p.clone()
+            q[32:32 + 4 * k].view(torch.int32)[k // 2] = bad
+            with pytest.raises(ValueError, match="gradzip"):
+                gradzip.decode(q)
+        q = p.clone()
+        q[32:32 + 4 * k].view(torch.int32)[1] = idx[0]
+        with pytest.raises(ValueError, match="gradzip"):
+            gradzip.decode(q)
+
+
+def test_random_bytes_never_crash():
+    g = torch.Generator().manual_seed(5)
+    good = gradzip.encode(data(300).float(), "int8")
+    for i in range(300):
+        q = good.clone()
+        pos = torch.randint(0, q.numel(), (3,), generator=g)
+        q[pos] = torch.randint(0, 256, (3,), generator=g, dtype=torch.uint8)
+        try:
+            y = gradzip.decode(q)
+            assert y.numel() == 300
+        except ValueError:
+            pass

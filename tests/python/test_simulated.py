@@ -1,0 +1,168 @@
+"""SimulatedWorkers (the single-process reference of the hook's algorithm): exact arithmetic for the
+lossless codec, error bounds and error-feedback behaviour for the lossy ones, traffic accounting,
+warm-up/small buckets, the non-finite guard and state_dict round trips."""
+
+import pickle
+
+import pytest
+import torch
+
+import gradzip
+from gradzip.collective import shard_bounds, traffic, CodecPlan
+from gradzip.ddp import CompressionState, SimulatedWorkers
+
+LOSSY = ["fp16", "bf16", "int8", "sign", "topk:0.1"]
+
+
+def grads(world, n, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, generator=g) * scale for _ in range(world)]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+@pytest.mark.parametrize("n", [5, 97, 4099])
+def test_fp32_is_the_rank_order_sum_of_prescaled_gradients(world, n):
+    gs = grads(world, n, seed=n)
+    out = SimulatedWorkers("fp32", world).reduce(gs)
+    ps = torch.tensor(1.0 / world, dtype=torch.float32)
+    expected = torch.zeros(n)
+    for g in gs:
+        expected = expected + g * ps
+    assert torch.equal(out, expected) if world > 1 else torch.equal(out, gs[0])
+
+
+def test_shards_cover_the_bucket():
+    for n in (3, 4, 10, 11):
+        for w in (1, 2, 3, 4):
+            b = shard_bounds(n, w)
+            sizes = [b[j + 1] - b[j] for j in range(w)]
+            assert b[0] == 0 and b[-1] == n and max(sizes) - min(sizes) <= 1
+
+
+@pytest.mark.parametrize("codec", LOSSY)
+def test_error_feedback_telescopes(codec):
+    """Over T steps, sum(outputs) = T * mean - (sum of the final residuals): nothing is lost, the
+    compression error does not accumulate (without EF it grows like T)."""
+    world, n, steps = 3, 2001, 20
+    sim = SimulatedWorkers(codec, world)
+    gs = grads(world, n, seed=1)
+    mean = torch.stack(gs).double().mean(0)
+    total = torch.zeros(n, dtype=torch.float64)
+    for _ in range(steps):  # the same gradients every step
+        total += sim.reduce(gs).double()
+    held = torch.zeros(n, dtype=torch.float64)
+    bounds = shard_bounds(n, world)
+    for r, worker in enumerate(sim.state_dict()["workers"]):
+        held += worker[0]["residual"].double()
+        if worker[0]["owner_residual"] is not None:
+            held[bounds[r]:bounds[r + 1]] += worker[0]["owner_residual"].double()
+    err = total - steps * mean
+    torch.testing.assert_close(err, -held, rtol=0, atol=1e-4 * steps)
+    no_ef = SimulatedWorkers(codec, world, error_feedback=False)
+    drift = sum(no_ef.reduce(gs).double() for _ in range(steps)) - steps * mean
+    assert err.abs().mean() < 0.5 * drift.abs().mean()
+
+
+@pytest.mark.parametrize("codec", LOSSY)
+def test_reduce_is_deterministic_and_state_dict_resumes_exactly(codec):
+    world, n = 2, 1500
+    a = SimulatedWorkers(codec, world)
+    for s in range(3):
+        a.reduce(grads(world, n, seed=s))
+    snap = pickle.loads(pickle.dumps(a.state_dict()))
+    b = SimulatedWorkers(codec, world)
+    b.load_state_dict(snap)
+    for s in range(3, 6):
+        assert torch.equal(a.reduce(grads(world, n, seed=s)), b.reduce(grads(world, n, seed=s)))
+    with pytest.raises(ValueError):
+        SimulatedWorkers("int8", world + 1).load_state_dict(snap)
+
+
+def test_warmup_and_small_buckets_are_plain_averages():
+    world = 3
+    sim = SimulatedWorkers("topk:0.01", world, warmup_steps=2, min_compress_numel=100)
+    gs = grads(world, 500)
+    plain = sum(g / world for g in gs)
+    assert torch.equal(sim.reduce(gs), plain) and sim.stats["compressed_buckets"] == 0
+    assert torch.equal(sim.reduce(gs), plain)
+    assert not torch.equal(sim.reduce(gs), plain) and sim.stats["compressed_buckets"] == 1
+    small = grads(world, 99)
+    assert torch.equal(sim.reduce(small, bucket_index=1), sum(g / world for g in small))
+
+
+def test_stats_count_the_wire_bytes():
+    world, n = 4, 10000
+    sim = SimulatedWorkers("int8", world)
+    sim.reduce(grads(world, n))
+    st = sim.stats
+    # every payload travels in a 16-byte aligned slot (the CUDA decoders need aligned payloads)
+    e = lambda n, spec: (gradzip.encoded_bytes(n, spec) + 15) // 16 * 16  # noqa: E731
+    shard = n // world
+    assert st["bytes_sent"] == 3 * e(shard, "int8") + 3 * e(shard, "int8")
+    assert st["raw_bytes"] == 2 * 3 * 4 * n // 4
+    assert 3.5 < st["compression_ratio"] < 4.0
+    assert traffic(CodecPlan.parse("topk:0.01"), n, world, 0) == (3 * e(n, "topk:0.01"),) * 2
+
+
+def test_nonfinite_step_keeps_residuals():
+    world, n = 2, 300
+    sim = SimulatedWorkers("int8:block=32", world)
+    sim.reduce(grads(world, n, seed=1))
+    before = sim.state_dict()["workers"]
+    bad = grads(world, n, seed=2)
+    bad[1][17] = float("inf")
+    out = sim.reduce(bad)
+    assert not torch.isfinite(out).all()
+    after = sim.state_dict()["workers"]
+    for wb, wa in zip(before, after):
+        for i in wb:
+            assert torch.equal(wb[i]["residual"], wa[i]["residual"])
+            assert torch.equal(wb[i]["owner_residual"], wa[i]["owner_residual"])
+    assert torch.isfinite(sim.reduce(grads(world, n, seed=3))).all()
+
+
+def test_residuals_reset_when_the_bucket_changes_size():
+    sim = SimulatedWorkers("sign", 2)
+    sim.reduce(grads(2, 1000))
+    sim.reduce(grads(2, 800))  # DDP rebuilt its buckets: bucket 0 now has another size
+    assert sim.state_dict()["workers"][0][0]["residual"].numel() == 800
+
+
+def test_compression_state_validates_and_pickles_without_group():
+    with pytest.raises(ValueError, match="spec"):
+        CompressionState("int7")
+    with pytest.raises(TypeError):
+        CompressionState(8)
+    st = CompressionState("topk:0.01", process_group=object(), warmup_steps=3)
+    st2 = pickle.loads(pickle.dumps(st))
+    assert st2.process_group is None and st2.codec == st.codec and st2.config.warmup_steps == 3
+    with pytest.raises(ValueError, match="codec"):
+        CompressionState("int8").load_state_dict(st.state_dict())
+
+
+def test_bad_gradient_lists():
+    sim = SimulatedWorkers("int8", 2)
+    with pytest.raises(ValueError):
+        sim.reduce(grads(3, 10))
+    with pytest.raises(ValueError):
+        sim.reduce([torch.zeros(10), torch.zeros(11)])
+    with pytest.raises(ValueError):
+        SimulatedWorkers("int8", 0)
+
+
+def test_a_step_spans_buckets_and_an_overflow_anywhere_voids_all_residual_updates():
+    world = 2
+    sim = SimulatedWorkers("int8:block=32", world)
+    sim.reduce(grads(world, 200, seed=1), bucket_index=0, is_last=False)
+    sim.reduce(grads(world, 100, seed=2), bucket_index=1, is_last=True)
+    assert sim.step == 1 and sim.stats["buckets"] == 2
+    before = sim.state_dict()["workers"]
+    sim.reduce(grads(world, 200, seed=3), bucket_index=0, is_last=False)  # finite
+    bad = grads(world, 100, seed=4)
+    bad[0][3] = float("nan")
+    sim.reduce(bad, bucket_index=1, is_last=True)
+    after = sim.state_dict()["workers"]
+    assert sim.step == 2
+    for wb, wa in zip(before, after):
+        for i in (0, 1):
+            assert torch.equal(wb[i]["residual"], wa[i]["residual"]), "bucket 0 must be undone too"

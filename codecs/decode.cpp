@@ -1,5 +1,6 @@
 // decode and decode_add: validate the whole message (read_header), then run the kernels per
 // thread range. Top-k scatters its values after zeroing (decode) or onto the output (decode_add).
+#include <cstdint>
 #include <cstring>
 #include <string>
 
@@ -13,6 +14,10 @@ namespace {
 
 void decode_impl(const void* wire, size_t bytes, float* out, size_t n, bool add) {
   detail::require_host_pointer(out, "out");
+  // The payload is read as floats and words in place: as on the GPU, it must be 4-byte aligned
+  // (a message inside a concatenated buffer: start each one at a multiple of 4 or 16).
+  if (reinterpret_cast<uintptr_t>(wire) % 4 != 0)
+    throw Error(Status::invalid_argument, "gradzip: wire must be 4-byte aligned");
   const WireHeader h = read_header(wire, bytes);
   if (h.count != n)
     throw Error(Status::size_mismatch, "gradzip: payload holds " + std::to_string(h.count) +

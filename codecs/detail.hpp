@@ -26,7 +26,7 @@ struct EncodeArgs {
 // c of one element, exactly as the fused encoders compute it (element.hpp's rule).
 inline float encode_input(const EncodeArgs& a, size_t i) {
   return a.residual ? element::ef_input(a.grad[i], a.prescale, a.residual[i])
-                    : a.grad[i] * a.prescale;
+                    : element::scaled_input(a.grad[i], a.prescale);
 }
 
 // One table per instruction set; the same source (kernels_impl.hpp) compiled with different

@@ -7,6 +7,10 @@
 #include "detail.hpp"
 #include "gradzip/gradzip.hpp"
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
+
 namespace gradzip::detail {
 namespace {
 
@@ -14,8 +18,11 @@ bool supported(const char* name) {
   if (std::strcmp(name, "portable") == 0) return true;
 #if defined(__x86_64__) || defined(__i386__)
   __builtin_cpu_init();
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                    __builtin_cpu_supports("f16c") && __builtin_cpu_supports("bmi2");
+  // F16C: CPUID leaf 1, ECX bit 29 (clang 14's __builtin_cpu_supports does not know "f16c").
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C) != 0;
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c &&
+                    __builtin_cpu_supports("bmi2");
   if (std::strcmp(name, "avx2") == 0) return avx2;
   if (std::strcmp(name, "avx512") == 0)
     return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&

@@ -25,6 +25,7 @@ void encode_impl(const Codec& codec, detail::EncodeArgs a, size_t n, void* out, 
   detail::require_host_pointer(workspace, "workspace");
   const size_t need = codec.encoded_bytes(n);  // also range-checks n
   if (out == nullptr) bad_arg("out is null");
+  if (reinterpret_cast<uintptr_t>(out) % 4 != 0) bad_arg("out must be 4-byte aligned");
   if (n > 0 && a.grad == nullptr) bad_arg("grad is null");
   if (out_bytes < need)
     bad_arg("output buffer too small: " + std::to_string(out_bytes) + " bytes, " + codec.name() +

@@ -23,7 +23,7 @@ namespace el = gradzip::element;
 template <bool EF>
 inline float cin(const float* __restrict g, const float* __restrict r, float p, size_t i) {
   if constexpr (EF) return el::ef_input(g[i], p, r[i]);
-  else return g[i] * p;
+  else return el::scaled_input(g[i], p);
 }
 
 template <class F>

@@ -1,23 +1,49 @@
 #!/usr/bin/env bash
-# Installs what is needed (scripts/setup.sh) and runs every test of gradzip. Idempotent.
+# Installs what is needed (scripts/setup.sh) and runs every test of gradzip. Idempotent; this is
+# what CI runs (.ci/run).
 #   bash scripts/test.sh
-# Stages: C++ build (CUDA compiled when nvcc is present) + CTest; the installed CMake package
-# consumed by a separate project.
+# Stages:
+#   1. C++ build (CUDA kernels compiled for sm_80/sm_90 when nvcc is present, warnings as errors)
+#      and CTest: CPU codec properties, exhaustive casts, corrupt payloads; GPU tests skip (77)
+#      without a GPU
+#   2. the installed CMake package, consumed by a separate project (tests/consumer)
+#   3. the C++ tests under AddressSanitizer + UndefinedBehaviorSanitizer
+#   4. libFuzzer: every decoder, the spec parser and a round trip, 60 s each (GRADZIP_FUZZ_SECONDS)
+#   5. the Python package (pip install of the torch extension) and pytest: ops, DDP hook on
+#      multi-process Gloo, convergence harness (incl. a cpu-smoke run), cost model, netns smoke
+#   6. the notebooks, executed top to bottom
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 VENV=$(bash scripts/setup.sh | tail -n1)
 export PATH="$VENV/bin:$PATH"
 jobs=$(nproc)
 build=${GRADZIP_BUILD_DIR:-build/test}
+t0=$SECONDS
+stage() { echo; echo "== [$((SECONDS - t0)) s] $*"; }
 
-echo "== C++: configure, build, CTest"
+stage "C++: configure, build, CTest"
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGRADZIP_WERROR=ON >/dev/null
 cmake --build "$build" -j "$jobs"
 ctest --test-dir "$build" --output-on-failure -j "$jobs"
 
-echo "== C++: install the package and build a consumer project against it"
-prefix="$build/install"
+stage "C++: install the package and build a consumer project against it"
+prefix="$PWD/$build/install"
 cmake --install "$build" --prefix "$prefix" >/dev/null
-cmake -S tests/consumer -B "$build/consumer" -G Ninja -DCMAKE_PREFIX_PATH="$PWD/$prefix" >/dev/null
+cmake -S tests/consumer -B "$build/consumer" -G Ninja -DCMAKE_PREFIX_PATH="$prefix" >/dev/null
 cmake --build "$build/consumer"
 "$build/consumer/gradzip_consumer"
+
+stage "C++ under ASan + UBSan"
+bash scripts/sanitize.sh
+
+stage "libFuzzer, ${GRADZIP_FUZZ_SECONDS:-60} s per target"
+bash scripts/fuzz.sh "${GRADZIP_FUZZ_SECONDS:-60}"
+
+stage "Python: build + install the package (torch extension), pytest"
+python -m pip install -q --no-build-isolation .
+python -m pytest -q -rs tests/python
+
+stage "Notebooks"
+bash scripts/notebooks.sh build/notebooks
+
+stage "all stages passed"

@@ -57,36 +57,40 @@ GZ_HD uint16_t float_to_bf16(float x) {
 GZ_HD float bf16_to_float(uint16_t h) { return bits_float(static_cast<uint32_t>(h) << 16); }
 
 // ---- fp16 (IEEE binary16): round to nearest even, overflow to Inf, NaN -> sign | 0x7E00 --------
+// Branch-free (selects only) so that compilers vectorise it.
 GZ_HD uint16_t float_to_fp16(float x) {
   const uint32_t u = float_bits(x);
   const uint32_t sign = (u >> 16) & 0x8000u;
   const uint32_t a = u & kAbsMask;
-  if (a > kInfBits) return static_cast<uint16_t>(sign | 0x7E00u);   // NaN
-  if (a >= 0x477FF000u) return static_cast<uint16_t>(sign | 0x7C00u);  // >= 65520 rounds to Inf
-  if (a >= 0x38800000u) {                                          // normal half (>= 2^-14)
-    const uint32_t r = a - 0x38000000u;                            // rebias exponent 127 -> 15
-    return static_cast<uint16_t>(sign | ((r + 0x0FFFu + ((r >> 13) & 1u)) >> 13));
-  }
-  if (a <= 0x33000000u) return static_cast<uint16_t>(sign);  // <= 2^-25 rounds to (signed) zero
-  // subnormal half: units of 2^-24, value = m * 2^(e-150), so shift = 126 - e (14..24)
+  // normal half (|x| >= 2^-14): rebias the exponent 127 -> 15, round the 13 dropped bits RNE
+  const uint32_t r = a - 0x38000000u;
+  const uint32_t normal = (r + 0x0FFFu + ((r >> 13) & 1u)) >> 13;
+  // subnormal half (|x| < 2^-14): x = m * 2^(e-150), in units of 2^-24 that is m >> (126 - e),
+  // rounded to nearest even (a carry into 1024 is the smallest normal's bit pattern). The shift
+  // is clamped to [1, 25]: at 25 every float below 2^-25 rounds to 0; normals are selected away.
+  // Integer-only on purpose: mixing float arithmetic on the same value defeats GCC's vectoriser.
   const uint32_t e = a >> 23;
+  uint32_t shift = e < 126u ? 126u - e : 1u;
+  shift = shift > 25u ? 25u : shift;
   const uint32_t m = (a & 0x007FFFFFu) | 0x00800000u;
-  const uint32_t shift = 126u - e;
-  const uint32_t q = m >> shift;
-  const uint32_t rem = m & ((1u << shift) - 1u);
-  const uint32_t half = 1u << (shift - 1u);
-  const uint32_t up = (rem > half || (rem == half && (q & 1u))) ? 1u : 0u;
-  return static_cast<uint16_t>(sign | (q + up));
+  const uint32_t subnormal = (m + ((1u << (shift - 1u)) - 1u) + ((m >> shift) & 1u)) >> shift;
+  uint32_t h = a >= 0x38800000u ? normal : subnormal;
+  h = a >= 0x477FF000u ? 0x7C00u : h;  // >= 65520 rounds to Inf
+  h = a > kInfBits ? 0x7E00u : h;      // NaN
+  return static_cast<uint16_t>(sign | h);
 }
 
-GZ_HD float fp16_to_float(uint16_t h) {
+GZ_HD float fp16_to_float(uint16_t h) {  // branch-free, as float_to_fp16
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   const uint32_t e = (h >> 10) & 0x1Fu;
   const uint32_t m = h & 0x03FFu;
-  if (e == 0x1Fu) return bits_float(sign | kInfBits | (m << 13));
-  if (e != 0u) return bits_float(sign | ((e + 112u) << 23) | (m << 13));
+  const uint32_t inf_nan = kInfBits | (m << 13);
+  const uint32_t normal = ((e + 112u) << 23) | (m << 13);
   // zero or subnormal: m * 2^-24 is exact in float
-  return bits_float(sign | float_bits(static_cast<float>(m) * 5.9604644775390625e-08f));
+  const uint32_t subnormal =
+      float_bits(static_cast<float>(static_cast<int32_t>(m)) * 5.9604644775390625e-08f);
+  const uint32_t a = e == 0x1Fu ? inf_nan : (e != 0u ? normal : subnormal);
+  return bits_float(sign | a);
 }
 
 // ---- blockwise int8 (absmax) ------------------------------------------------------------------

@@ -16,10 +16,14 @@ namespace {
 constexpr size_t kChunk = size_t{1} << 22;
 constexpr size_t kChunks = (size_t{1} << 32) / kChunk;
 
+// The encoders make every NaN canonical (element::canonical_nan: 0x7FFFFFFF) before rounding, so
+// any NaN input encodes as the canonical NaN's half-word.
+constexpr uint16_t kBf16CanonicalNaN = 0x7FFF, kFp16CanonicalNaN = 0x7E00;
+
 // Reference half-words for a whole array (vectorised where the CPU allows, so that 2^32 inputs
 // take seconds).
 void ref_bf16_array(const float* in, size_t n, uint16_t* out) {
-  for (size_t i = 0; i < n; ++i) out[i] = ref_bf16(in[i]);
+  for (size_t i = 0; i < n; ++i) out[i] = std::isnan(in[i]) ? kBf16CanonicalNaN : ref_bf16(in[i]);
 }
 // GCC 12's _mm512_cvtps_ph trips -Wmaybe-uninitialized inside its own header.
 #pragma GCC diagnostic push
@@ -31,13 +35,13 @@ __attribute__((target("avx512f"))) void ref_fp16_array_avx512(const float* in, s
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
                         _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
-  for (size_t i = 0; i < n; ++i)  // element.hpp's NaN rule (F16C keeps payload bits)
-    if (std::isnan(in[i])) out[i] = static_cast<uint16_t>(((bits(in[i]) >> 16) & 0x8000u) | 0x7E00u);
+  for (size_t i = 0; i < n; ++i)  // F16C keeps NaN payload bits; the encoder's NaN is canonical
+    if (std::isnan(in[i])) out[i] = kFp16CanonicalNaN;
 }
 #pragma GCC diagnostic pop
 void ref_fp16_array(const float* in, size_t n, uint16_t* out) {
   if (__builtin_cpu_supports("avx512f") && n % 16 == 0) return ref_fp16_array_avx512(in, n, out);
-  for (size_t i = 0; i < n; ++i) out[i] = ref_fp16(in[i]);
+  for (size_t i = 0; i < n; ++i) out[i] = std::isnan(in[i]) ? kFp16CanonicalNaN : ref_fp16(in[i]);
 }
 
 // Encodes every float bit pattern with `spec` and compares each payload half-word with the

@@ -301,6 +301,50 @@ TEST(Codec, Int8BlockOfNaNOrHuge) {
   EXPECT_EQ(dec[40], 1.0f);
 }
 
+// A block whose absmax is FLT_MAX: FLT_MAX / 127 rounds up, so the scale steps one ulp down and
+// every element decodes finite (found by the round-trip fuzzer).
+TEST(Codec, Int8AbsmaxFltMaxStaysFinite) {
+  const Codec c = Codec::parse("int8:block=96");
+  std::vector<float> g(96, 1.0f);
+  g[0] = 3.0f;
+  g[2] = -std::numeric_limits<float>::max();
+  const auto dec = decode(encode(c, g), 96);
+  for (float v : dec) EXPECT_TRUE(std::isfinite(v));
+  EXPECT_NEAR(dec[2], -std::numeric_limits<float>::max(), std::numeric_limits<float>::max() / 254);
+}
+
+// Any NaN input (sign, payload) encodes as the canonical NaN, so the CPU and GPU wires agree.
+TEST(Codec, NaNIsCanonicalOnTheWire) {
+  const float neg_nan = gradzip::element::bits_float(0xFFC12345u);
+  const float canon = gradzip::element::bits_float(gradzip::element::kCanonicalNaN);
+  for (const char* spec : {"fp32", "fp16", "bf16", "int8:block=32", "sign:block=32", "topk:1"}) {
+    const Codec c = Codec::parse(spec);
+    std::vector<float> a(37, 0.5f), b(37, 0.5f), r(37, 0.25f);
+    a[5] = neg_nan;
+    b[5] = canon;
+    EXPECT_EQ(encode(c, a), encode(c, b)) << spec;
+    EXPECT_EQ(encode_ef(c, a, r).wire, encode_ef(c, b, r).wire) << spec;
+  }
+}
+
+// Payloads are read and written as floats/words in place: a misaligned wire or output buffer is
+// refused with invalid_argument (as on the GPU), never read through a misaligned pointer.
+TEST(Codec, MisalignedBuffersAreRefused) {
+  const Codec c = Codec::parse("int8:block=32");
+  std::vector<float> g(33, 0.5f), out(33, 7.0f);
+  const Bytes wire = encode(c, g);
+  Bytes shifted(wire.size() + 4);
+  std::copy(wire.begin(), wire.end(), shifted.begin() + 1);
+  try {
+    gradzip::decode(shifted.data() + 1, wire.size(), out.data(), out.size());
+    ADD_FAILURE() << "misaligned wire accepted";
+  } catch (const gradzip::Error& e) {
+    EXPECT_EQ(e.status(), gradzip::Status::invalid_argument);
+  }
+  EXPECT_EQ(out, std::vector<float>(33, 7.0f));
+  EXPECT_THROW(c.encode(g.data(), g.size(), shifted.data() + 1, wire.size()), gradzip::Error);
+}
+
 TEST(Codec, ThreadCountSetting) {
   gradzip::set_num_threads(3);
   EXPECT_EQ(gradzip::num_threads(), 3);

@@ -3,7 +3,6 @@ same gradients, bit for bit, over several steps with error feedback; and its buc
 traffic accounting."""
 import pytest
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dist_util import run_ranks

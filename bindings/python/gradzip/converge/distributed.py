@@ -52,7 +52,7 @@ def train_ddp(cfg: RunConfig, out: Path, data, device, progress=None) -> dict | 
                              min_compress_numel=_NEVER if baseline else MIN_COMPRESS_NUMEL)
     ddp.register_comm_hook(state, compress_hook)
     opt, sched = make_optimizer(cfg, model)
-    rank_ckpt = out / "checkpoints" / f"{cfg.name}.rank{rank}.pt"
+    rank_ckpt = out / "checkpoints" / f"{cfg.name.replace(':', '_')}.rank{rank}.pt"
     start, wall = 0, 0.0
     ckpt = _broadcast(files.load_checkpoint() if rank == 0 else None)
     if ckpt is not None:

@@ -143,8 +143,9 @@ class RunFiles:
 
     def __init__(self, out: Path, cfg: RunConfig):
         self.cfg = cfg
-        self.ckpt = out / "checkpoints" / f"{cfg.name}.pt"
-        self.result = out / "runs" / f"{cfg.name}.json"
+        stem = cfg.name.replace(":", "_")  # "topk:0.01" is not a portable file name
+        self.ckpt = out / "checkpoints" / f"{stem}.pt"
+        self.result = out / "runs" / f"{stem}.json"
         self.steps = out / "steps.jsonl"
         self.ckpt.parent.mkdir(parents=True, exist_ok=True)
         self.result.parent.mkdir(parents=True, exist_ok=True)

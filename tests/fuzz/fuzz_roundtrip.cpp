@@ -143,10 +143,11 @@ void check_sign(const float* c, const float* d, size_t n, uint32_t block) {
 
 void check_topk(const float* c, const float* d, size_t n, uint64_t k, bool fp16_values) {
   // Reference selection: largest |c| first (NaN above Inf, as abs-bits order), ties to the lower
-  // index; the first k are kept.
+  // index; the first k are kept. The encoder makes every NaN canonical (0x7FFFFFFF) first, so all
+  // NaNs have one key and tie.
   std::vector<uint32_t> order(n);
   std::iota(order.begin(), order.end(), 0u);
-  auto key = [&](uint32_t i) { return bits(c[i]) & 0x7FFFFFFFu; };
+  auto key = [&](uint32_t i) { return std::isnan(c[i]) ? 0x7FFFFFFFu : bits(c[i]) & 0x7FFFFFFFu; };
   std::stable_sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) { return key(a) > key(b); });
   std::vector<bool> kept(n, false);
   for (uint64_t j = 0; j < k; ++j) kept[order[j]] = true;

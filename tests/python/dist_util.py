@@ -27,6 +27,9 @@ def _entry(rank, fn, world, port, args):
                             world_size=world, timeout=datetime.timedelta(seconds=60))
     try:
         fn(rank, world, *args)
+        # Gloo tears a group down while a peer may still be receiving the last collective's
+        # data unless every rank is past it: finish together, as a training script should.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

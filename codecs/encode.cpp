@@ -38,17 +38,9 @@ void encode_impl(const Codec& codec, detail::EncodeArgs a, size_t n, void* out, 
     bad_arg("workspace must be 4-byte aligned");
 
   const CodecSpec& s = codec.spec();
-  const uint32_t param = codec.wire_param(n);
+  const WireHeader h = codec.wire_header(n);
+  const uint32_t param = h.param;
   const PayloadLayout l = payload_layout(s.kind, n, param, s.fp16_values);
-  WireHeader h{};
-  h.magic = kWireMagic;
-  h.version = kWireVersion;
-  h.codec = static_cast<uint8_t>(s.kind);
-  h.dtype = static_cast<uint8_t>(DType::f32);
-  h.count = n;
-  h.param = param;
-  h.flags = s.kind == CodecKind::topk && s.fp16_values ? kTopkFlagFp16Values : 0;
-  h.payload_bytes = l.bytes;
   std::memcpy(out, &h, sizeof h);
   char* payload = static_cast<char*>(out) + kHeaderBytes;
 

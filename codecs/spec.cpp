@@ -159,6 +159,19 @@ uint64_t Codec::topk_k(uint64_t n) const {
   return k < n ? k : n;
 }
 
+WireHeader Codec::wire_header(uint64_t n) const {
+  WireHeader h{};
+  h.magic = kWireMagic;
+  h.version = kWireVersion;
+  h.codec = static_cast<uint8_t>(spec_.kind);
+  h.dtype = static_cast<uint8_t>(DType::f32);
+  h.count = n;
+  h.param = wire_param(n);
+  h.flags = spec_.kind == CodecKind::topk && spec_.fp16_values ? kTopkFlagFp16Values : 0u;
+  h.payload_bytes = payload_layout(spec_.kind, n, h.param, spec_.fp16_values).bytes;
+  return h;
+}
+
 uint32_t Codec::wire_param(uint64_t n) const {
   switch (spec_.kind) {
     case CodecKind::int8:

@@ -89,17 +89,9 @@ void encode_impl(const Codec& codec, const float* grad, float* residual, size_t 
       throw Error(Status::invalid_argument, "gradzip::cuda: workspace must be 16-byte aligned");
   }
 
-  const uint32_t param = codec.wire_param(n);
+  const WireHeader h = codec.wire_header(n);
+  const uint32_t param = h.param;
   const PayloadLayout layout = payload_layout(spec.kind, n, param, spec.fp16_values);
-  WireHeader h{};
-  h.magic = kWireMagic;
-  h.version = kWireVersion;
-  h.codec = static_cast<uint8_t>(spec.kind);
-  h.dtype = static_cast<uint8_t>(DType::f32);
-  h.count = n;
-  h.param = param;
-  h.flags = spec.kind == CodecKind::topk && spec.fp16_values ? kTopkFlagFp16Values : 0u;
-  h.payload_bytes = layout.bytes;
 
   kernels::EncodeLaunch a{};
   a.grad = grad;

@@ -72,6 +72,8 @@ class Codec {
   uint64_t topk_k(uint64_t n) const;
   // The header's param field for n elements (block size, or k for top-k).
   uint32_t wire_param(uint64_t n) const;
+  // The wire header an encode of n elements writes (what a decoder of that message will read).
+  WireHeader wire_header(uint64_t n) const;
 
   // Exact size of the encoded message (header + payload) for n elements.
   size_t encoded_bytes(size_t n) const;

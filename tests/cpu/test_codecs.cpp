@@ -345,6 +345,19 @@ TEST(Codec, MisalignedBuffersAreRefused) {
   EXPECT_THROW(c.encode(g.data(), g.size(), shifted.data() + 1, wire.size()), gradzip::Error);
 }
 
+// Codec::wire_header is exactly the header an encode writes and read_header returns.
+TEST(Codec, WireHeaderMatchesEncodedMessage) {
+  for (const char* spec : {"fp32", "fp16", "int8:block=64", "sign", "topk:0.3:values=fp16"}) {
+    const Codec c = Codec::parse(spec);
+    for (size_t n : {size_t{0}, size_t{1}, size_t{1001}}) {
+      const Bytes wire = encode(c, std::vector<float>(n, 0.25f));
+      const gradzip::WireHeader want = c.wire_header(n), got = gradzip::read_header(wire.data(), wire.size());
+      EXPECT_EQ(std::memcmp(&want, &got, sizeof want), 0) << spec << " n=" << n;
+      EXPECT_EQ(gradzip::kHeaderBytes + want.payload_bytes, c.encoded_bytes(n)) << spec;
+    }
+  }
+}
+
 TEST(Codec, ThreadCountSetting) {
   gradzip::set_num_threads(3);
   EXPECT_EQ(gradzip::num_threads(), 3);

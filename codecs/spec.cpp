@@ -190,7 +190,7 @@ uint32_t Codec::wire_param(uint64_t n) const {
 size_t Codec::encoded_bytes(size_t n) const {
   if (n > detail::kMaxCount)
     throw Error(Status::invalid_argument, "gradzip: element count " + std::to_string(n) + " too large");
-  return kHeaderBytes + payload_layout(spec_.kind, n, wire_param(n), spec_.fp16_values).bytes;
+  return kHeaderBytes + wire_header(n).payload_bytes;
 }
 
 size_t Codec::workspace_bytes(size_t n) const {

@@ -11,6 +11,7 @@ from gradzip.converge import scenes
 from gradzip.converge.datasets import (DepthFolder, KittiDepth, NYUDepthV2Labeled,
                                        ProceduralDepth, materialize, open_dataset,
                                        read_depth_png, resize_sample, write_depth_png)
+from gradzip.converge.training import RunConfig, load_data
 
 SMALL = scenes.SceneConfig(height=30, width=40, raw="holes")
 
@@ -63,6 +64,19 @@ def test_procedural_dataset_and_resize():
     holed = {"rgb": torch.rand(3, 4, 4), "depth": torch.tensor([[[0.0, 1, 2, 3]] * 4])}
     r = resize_sample(holed, (2, 2))  # nearest: missing stays missing, values are never blended
     assert set(r["depth"].unique().tolist()) <= {0.0, 1.0, 2.0, 3.0}
+
+
+def test_procedural_scenes_are_cached_by_what_they_depend_on(tmp_path):
+    cfg = RunConfig(image_size=28, train_scenes=5, test_scenes=2, seed=3)
+    rendered = load_data(cfg)
+    for _ in range(2):  # renders and stores, then reads
+        cached = load_data(cfg, tmp_path)
+        for part, ref in zip(cached, rendered):
+            assert all(torch.equal(part[k], ref[k]) for k in ref)
+    assert len(list(tmp_path.glob("procedural-*.pt"))) == 1
+    other = load_data(RunConfig(image_size=28, train_scenes=5, test_scenes=2, seed=4), tmp_path)
+    assert len(list(tmp_path.glob("procedural-*.pt"))) == 2
+    assert not torch.equal(other[0]["rgb"], rendered[0]["rgb"])
 
 
 def test_depth_png_round_trip(tmp_path):

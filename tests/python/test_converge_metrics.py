@@ -1,6 +1,7 @@
 """Depth metrics and the SILog loss against values computed by hand."""
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,6 +17,7 @@ def test_one_image_by_hand():
     assert n.tolist() == [3]
     expected = {
         "abs_rel": (0.1 / 1 + 0 + 1 / 4) / 3,
+        "abs_rel_med": (0.1 / 1 + 0 + 1 / 4) / 3,  # both medians are 2: the scale is 1
         "sq_rel": (0.01 / 1 + 0 + 1 / 4) / 3,
         "rmse": math.sqrt((0.01 + 0 + 1) / 3),
         "rmse_log": math.sqrt((math.log(1.1) ** 2 + math.log(0.75) ** 2) / 3),
@@ -25,6 +27,32 @@ def test_one_image_by_hand():
     }
     for k in NAMES:
         assert m[k].item() == pytest.approx(expected[k], rel=1e-6), k
+
+
+def test_median_scaled_abs_rel_against_float64():
+    rng = np.random.default_rng(7)
+    b, n, max_depth = 5, 37, 10.0
+    gt = rng.uniform(0.5, 12.0, (b, n))  # some beyond the cap: invalid
+    gt[rng.random((b, n)) < 0.2] = 0.0  # missing
+    gt[1] = 0.0
+    gt[1, 1:37:2] = rng.uniform(1, 9, 18)  # 18 valid pixels: an even count
+    pred = gt * rng.uniform(1.5, 3.0) * rng.uniform(0.8, 1.25, (b, n))  # off by a global scale
+    pred[2, :4] = 25.0  # beyond the cap: clamped before the medians and after scaling
+    expected = []
+    for g, d in zip(gt, pred):
+        valid = (g > 1e-3) & (g <= max_depth)
+        g, d = g[valid], np.clip(d[valid], 1e-3, max_depth)
+        s = np.median(g) / np.median(d)  # numpy: the mean of the middle two for an even count
+        expected.append(np.mean(np.abs(np.clip(s * d, 1e-3, max_depth) - g) / g))
+    m, _ = image_metrics(torch.tensor(pred), torch.tensor(gt), max_depth=max_depth)
+    assert m["abs_rel_med"].tolist() == pytest.approx(expected, rel=1e-12)
+    assert (m["abs_rel_med"] < m["abs_rel"]).all()  # the scale error is taken out
+    m32, _ = image_metrics(torch.tensor(pred).float(), torch.tensor(gt).float(),
+                           max_depth=max_depth)  # float32, as a model gives them
+    assert m32["abs_rel_med"].tolist() == pytest.approx(expected, rel=1e-5)
+    acc = MetricAccumulator(max_depth=max_depth)
+    acc.update(torch.tensor(pred), torch.tensor(gt))
+    assert acc.compute()["abs_rel_med"] == pytest.approx(np.mean(expected), rel=1e-12)
 
 
 def test_set_metrics_average_images_and_skip_empty_ones():

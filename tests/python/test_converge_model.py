@@ -3,7 +3,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from gradzip.converge.models import CONFIGS, ViTEncoder, build_model, count_parameters, get_config
+import torch.nn.functional as F
+
+from gradzip.converge.models import (CONFIGS, ViTEncoder, build_model, count_parameters, get_config,
+                                     resize_separable)
 from gradzip.converge.weights import WeightLoadError, load_encoder_weights
 
 
@@ -31,6 +34,23 @@ def test_forward_gives_positive_depth_at_input_resolution():
         model(torch.rand(1, 3, 40, 42))
     with pytest.raises(ValueError, match="unknown model"):
         get_config("vit-h14")
+
+
+@pytest.mark.parametrize("mode, align_corners, size, out", [
+    ("bilinear", True, (6, 5), (12, 10)),  # the head's 2x upsampling
+    ("bilinear", True, (6, 6), (84, 84)),  # to the input size
+    ("bicubic", False, (37, 37), (19, 19)),  # vit-l14's position embeddings at 266 px
+])
+def test_separable_resize_equals_interpolate(mode, align_corners, size, out):
+    # what the model uses on CUDA under deterministic algorithms, checked here on the CPU
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, *size, dtype=torch.float64, requires_grad=True)
+    ref = F.interpolate(x, size=out, mode=mode, align_corners=align_corners)
+    got = resize_separable(x, out, mode, align_corners)
+    assert got.dtype == x.dtype and torch.allclose(got, ref, rtol=0, atol=1e-12)
+    g = torch.randn_like(ref)
+    (g_ref,), (g_got,) = torch.autograd.grad(ref, x, g), torch.autograd.grad(got, x, g)
+    assert torch.allclose(g_got, g_ref, rtol=0, atol=1e-12)
 
 
 def _dinov2_style_state(cfg_name: str, prefix: str = "") -> dict:

@@ -1,5 +1,6 @@
-"""Training runs end to end: exact resume from a checkpoint, the CLI's cpu-smoke suite and its
-outputs, the DDP mode under torchrun."""
+"""Training runs end to end: exact resume from a checkpoint, the cache key, the CLI's cpu-smoke
+suite and its outputs (over seeds, reproducible byte for byte, in parallel jobs), the DDP mode
+under torchrun."""
 import csv
 import json
 import os
@@ -12,11 +13,12 @@ import pytest
 import torch
 
 from dist_util import free_port
-from gradzip.converge.training import RunConfig, load_data, lr_factor, train_simulated
+from gradzip.converge.training import (RunConfig, RunFiles, load_data, lr_factor, read_jsonl,
+                                       train_simulated)
 
 TINY = RunConfig(model="vit-t14", image_size=28, workers=2, batch_per_worker=2, steps=8,
                  warmup_steps=2, train_scenes=8, test_scenes=4, checkpoint_every=3,
-                 codec="int8", error_feedback=True)
+                 eval_every=2, codec="int8", error_feedback=True)
 
 
 def test_schedule_warms_up_then_decays():
@@ -26,9 +28,8 @@ def test_schedule_warms_up_then_decays():
     assert f[-1] == pytest.approx(0.1, abs=1e-3)
 
 
-def _losses(out):
-    recs = [json.loads(x) for x in (out / "steps.jsonl").read_text().splitlines()]
-    return [(r["step"], r["loss"], r["bytes"]) for r in recs]
+def _losses(out, cfg=TINY):
+    return [(r["step"], r["loss"], r["bytes"]) for r in read_jsonl(RunFiles(out, cfg).steps)]
 
 
 class Interrupt(Exception):
@@ -46,16 +47,43 @@ def test_interrupted_run_resumes_exactly(tmp_path):
 
     with pytest.raises(Interrupt):
         train_simulated(TINY, tmp_path / "b", data, torch.device("cpu"), progress=stop_at_7)
-    assert (tmp_path / "b" / "checkpoints" / "int8.pt").is_file()
+    assert (tmp_path / "b" / "checkpoints" / "int8-s0.pt").is_file()
     resumed = train_simulated(TINY, tmp_path / "b", data, torch.device("cpu"))
     assert _losses(tmp_path / "a") == _losses(tmp_path / "b")  # same steps, bit for bit
-    for k in ("abs_rel", "rmse", "delta1", "bytes_per_step"):
+    evals = read_jsonl(RunFiles(tmp_path / "a", TINY).evals)
+    assert [e["step"] for e in evals] == [2, 4, 6, 8]
+    assert read_jsonl(RunFiles(tmp_path / "b", TINY).evals) == evals  # the one at 8 redone
+    for k in ("abs_rel", "abs_rel_med", "rmse", "delta1", "bytes_per_step"):
         assert whole[k] == resumed[k], k
-    assert not (tmp_path / "b" / "checkpoints" / "int8.pt").exists()
+    assert whole["abs_rel_med"] == evals[-1]["abs_rel_med"]  # the result is the last evaluation
+    assert not (tmp_path / "b" / "checkpoints" / "int8-s0.pt").exists()
     # a finished run is not redone; a changed setting is a new run
     assert train_simulated(TINY, tmp_path / "b", data, torch.device("cpu")) == resumed
     other = replace(TINY, steps=4)
     assert train_simulated(other, tmp_path / "b", data, torch.device("cpu"))["config"]["steps"] == 4
+
+
+def test_result_under_another_code_version_is_redone(tmp_path):
+    torch.set_num_threads(1)
+    cfg = replace(TINY, steps=4)
+    data = load_data(cfg)
+    first = train_simulated(cfg, tmp_path, data, torch.device("cpu"))
+    assert first["environment"]["code"] and first["environment"]["torch_threads"] == 1
+    trained = []
+    assert train_simulated(cfg, tmp_path, data, torch.device("cpu"),
+                           progress=lambda s, loss: trained.append(s)) == first
+    assert trained == []  # finished under the current key: not redone
+    files = RunFiles(tmp_path, cfg)
+    stale = json.loads(files.result.read_text())
+    stale["environment"]["code"] = "0123456789abcdef"  # as if written by other code
+    files.result.write_text(json.dumps(stale))
+    again = train_simulated(cfg, tmp_path, data, torch.device("cpu"),
+                            progress=lambda s, loss: trained.append(s))
+    assert trained == [1, 2, 3, 4]  # retrained, from scratch, to the same result
+    for k in ("abs_rel", "abs_rel_med", "bytes_per_step", "final_loss"):
+        assert again[k] == first[k], k
+    assert again["environment"] == first["environment"] and files.done() == again
+    assert len(read_jsonl(files.steps)) == 4  # the stale run's log lines are gone
 
 
 def _cli(args, timeout=600, env_extra=None):
@@ -64,29 +92,79 @@ def _cli(args, timeout=600, env_extra=None):
                           text=True, timeout=timeout, env=env)
 
 
-def test_cpu_smoke_suite(tmp_path):
-    r = _cli(["--suite", "cpu-smoke", "--out", str(tmp_path), "--quiet"])
+SMOKE = ["--suite", "cpu-smoke", "--seeds", "2", "--quiet"]
+DETERMINISTIC = ("summary.csv", "aggregate.csv", "summary.md", "evals.jsonl")
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """The cpu-smoke suite over seeds 0 and 1, one job after the other."""
+    out = tmp_path_factory.mktemp("smoke")
+    r = _cli([*SMOKE, "--out", str(out)])
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "| codec | error_feedback | bytes_per_step |" in r.stdout  # the table is printed
-    with open(tmp_path / "summary.csv") as f:
-        rows = list(csv.reader(f))
-    assert rows[0] == ["codec", "error_feedback", "bytes_per_step", "compression_ratio",
-                       "abs_rel", "rmse", "delta1", "wall_s"]
-    table = {row[0]: dict(zip(rows[0], row)) for row in rows[1:]}
-    assert set(table) == {"fp32", "int8"}
-    assert float(table["fp32"]["compression_ratio"]) == pytest.approx(1.0)
-    assert 3.5 < float(table["int8"]["compression_ratio"]) < 4.0  # 1 byte + block scales vs 4
-    assert int(table["int8"]["bytes_per_step"]) < int(table["fp32"]["bytes_per_step"])
-    for row in table.values():
+    return out, r.stdout
+
+
+def _csv(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_cpu_smoke_suite(smoke):
+    out, stdout = smoke
+    assert "| run | bytes/step | ratio | AbsRel |" in stdout  # the table is printed
+    rows = _csv(out / "summary.csv")
+    assert list(rows[0]) == ["run", "codec", "error_feedback", "seed", "bytes_per_step",
+                             "compression_ratio", "abs_rel", "abs_rel_med", "sq_rel", "rmse",
+                             "rmse_log", "delta1", "delta2", "delta3", "final_loss",
+                             "abs_rel_vs_fp32_pct", "steps_to_target"]
+    table = {(r["run"], int(r["seed"])): r for r in rows}
+    assert list(table) == [("fp32", 0), ("fp32", 1), ("int8", 0), ("int8", 1)]
+    for seed in (0, 1):
+        fp32, int8 = table["fp32", seed], table["int8", seed]
+        assert float(fp32["compression_ratio"]) == pytest.approx(1.0)
+        assert 3.5 < float(int8["compression_ratio"]) < 4.0  # 1 byte + block scales vs 4
+        assert int(int8["bytes_per_step"]) < int(fp32["bytes_per_step"])
+        assert float(fp32["abs_rel_vs_fp32_pct"]) == 0
+        assert float(int8["abs_rel_vs_fp32_pct"]) == pytest.approx(
+            100 * (float(int8["abs_rel"]) / float(fp32["abs_rel"]) - 1), abs=1e-3)
+        assert fp32["steps_to_target"] in ("10", "20", "30")  # fp32 reaches its own final
+    assert table["fp32", 0]["abs_rel"] != table["fp32", 1]["abs_rel"]  # other weights, data
+    for row in rows:
         assert 0 < float(row["abs_rel"]) < 10 and 0 <= float(row["delta1"]) <= 1
-    steps = [json.loads(x) for x in (tmp_path / "steps.jsonl").read_text().splitlines()]
-    assert len(steps) == 2 * 30 and {s["codec"] for s in steps} == {"fp32", "int8"}
-    for name in ("summary.md", "abs_rel_vs_bytes.png", "loss_curves.png"):
-        assert (tmp_path / name).stat().st_size > 0, name
-    assert (tmp_path / "abs_rel_vs_bytes.png").read_bytes()[:4] == b"\x89PNG"
-    # rerunning finds both runs finished and only reports
-    again = _cli(["--suite", "cpu-smoke", "--out", str(tmp_path), "--quiet"], timeout=120)
-    assert again.returncode == 0 and len((tmp_path / "steps.jsonl").read_text().splitlines()) == 60
+        assert 0 < float(row["abs_rel_med"]) < 10
+    agg = {r["run"]: r for r in _csv(out / "aggregate.csv")}
+    assert list(agg) == ["fp32", "int8"]
+    a = agg["int8"]
+    x = [float(table["int8", s]["abs_rel"]) for s in (0, 1)]
+    assert a["seeds"] == "2" and float(a["abs_rel_mean"]) == pytest.approx(sum(x) / 2, rel=1e-5)
+    assert float(a["abs_rel_std"]) == pytest.approx(abs(x[0] - x[1]) / 2**0.5, rel=1e-4)  # ddof 1
+    assert a["abs_rel_vs_fp32_pct_mean"] and a["target_reached"] in ("0", "1", "2")
+    timings = _csv(out / "timings.csv")
+    assert list(timings[0]) == ["run", "seed", "wall_s", "codec_ms"] and len(timings) == 4
+    assert all(float(t["wall_s"]) > 0 for t in timings)
+    steps = read_jsonl(out / "steps.jsonl")
+    assert len(steps) == 4 * 30 and {(s["run"], s["seed"]) for s in steps} == set(table)
+    evals = read_jsonl(out / "evals.jsonl")
+    assert [(e["run"], e["seed"], e["step"]) for e in evals] == [
+        (run, seed, step) for run, seed in table for step in (10, 20, 30)]
+    assert json.loads((out / "suite.json").read_text())["environment"]["torch_threads"] == 1
+    for name in ("summary.md", "abs_rel_vs_bytes.png", "loss_curves.png", "steps_to_target.png"):
+        assert (out / name).stat().st_size > 0, name
+    assert (out / "steps_to_target.png").read_bytes()[:4] == b"\x89PNG"
+    # rerunning finds every run finished and only reports, to the same bytes
+    before = {n: (out / n).read_bytes() for n in DETERMINISTIC}
+    again = _cli([*SMOKE, "--out", str(out)], timeout=120)
+    assert again.returncode == 0 and len(read_jsonl(out / "steps.jsonl")) == 120
+    assert {n: (out / n).read_bytes() for n in DETERMINISTIC} == before
+
+
+def test_results_are_reproducible_byte_for_byte_and_in_parallel(smoke, tmp_path):
+    # a fresh process and a fresh folder (no cached scenes), two jobs at once
+    r = _cli([*SMOKE, "--out", str(tmp_path), "--jobs", "2"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    for name in DETERMINISTIC:
+        assert (tmp_path / name).read_bytes() == (smoke[0] / name).read_bytes(), name
 
 
 def test_cli_errors_are_clear(tmp_path):

@@ -81,10 +81,12 @@ def test_bucketed_reduction_matches_per_bucket_simulation():
     out = red.reduce(gs)
     bounds = bucket_bounds(numels, red.cap_bytes, red.first_bucket_bytes)
     assert bounds == [(8000, 15101), (3000, 8000), (0, 3000)]
+    inside = [[7001, 100], [5000], [3000]]  # the tensors of each bucket: int8 blocks restart there
     sent = 0
     for i, (a, b) in enumerate(bounds):
         ref = SimulatedWorkers("int8", 3, min_compress_numel=MIN_COMPRESS_NUMEL)
-        assert torch.equal(out[a:b], ref.reduce([g[a:b] for g in gs], bucket_index=i))
+        assert torch.equal(out[a:b], ref.reduce([g[a:b] for g in gs], bucket_index=i,
+                                                numels=inside[i]))
         sent += ref.stats["bytes_sent"]
     assert red.bytes_per_step == sent
     with pytest.raises(ValueError, match="expected 3"):

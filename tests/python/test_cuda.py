@@ -5,7 +5,11 @@ import pytest
 import torch
 
 import gradzip
-from gradzip.ddp import SimulatedWorkers
+import functools
+
+from gradzip import ddp
+
+SimulatedWorkers = functools.partial(ddp.SimulatedWorkers, min_compress_numel=0)
 
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and gradzip.cuda_available()),
                                 reason="needs a GPU and a CUDA build of gradzip")

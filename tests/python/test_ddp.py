@@ -1,9 +1,10 @@
-"""The DDP hook on real multi-process Gloo (CPU), world sizes 2 and 3, pinning DESIGN.md's
+"""The DDP hook on real multi-process Gloo (CPU), world sizes 2 and 3, pinning the hook's
 invariants: bitwise-identical replicas, the hook equals SimulatedWorkers (the single-process
 reference of the same algorithm) bit for bit, agreement with PyTorch's fp16_compress_hook, AMP
 overflow steps, checkpoint/resume, mismatched configurations, unused parameters with
 gradient_as_bucket_view, and the bucket rebuild (iterations 1-3, static_graph on and off)."""
 
+import math
 import os
 
 import pytest
@@ -20,16 +21,19 @@ def load(outdir, name, world):
     return [torch.load(os.path.join(outdir, f"{name}_{r}.pt"), weights_only=False) for r in range(world)]
 
 
-def check_replicas_and_reference(runs, codec, world, min_numel=32, warmup=0):
+def check_replicas_and_reference(runs, codec, world, min_numel=32, warmup=0, optimizer=None):
     """Replicas bitwise identical; every bucket's reduced value equals SimulatedWorkers fed with
-    the ranks' local bucket gradients."""
+    the ranks' local bucket gradients (and, with a gradzip.optim ``optimizer``, computing the same
+    per-rank directions)."""
     for r in range(1, world):
         for a, b in zip(runs[0]["params"], runs[r]["params"]):
             assert torch.equal(a, b), f"{codec}: replica {r} differs from replica 0"
     # records arrive in completion order, which differs between ranks: order by (step, bucket)
     recs = [sorted(run["records"], key=lambda rec: rec[0][:2]) for run in runs]
     assert len(recs[0]) > 0 and all(len(x) == len(recs[0]) for x in recs)
-    sim = SimulatedWorkers(codec, world, min_compress_numel=min_numel, warmup_steps=warmup)
+    opt = None if optimizer is None else sc.make_optimizer(optimizer, [torch.nn.Parameter(torch.zeros(1))])
+    sim = SimulatedWorkers(codec, world, min_compress_numel=min_numel, warmup_steps=warmup,
+                           optimizer=opt)
     layouts = set()
     for k, (key, _, out0) in enumerate(recs[0]):
         step, index, layout = key
@@ -38,7 +42,9 @@ def check_replicas_and_reference(runs, codec, world, min_numel=32, warmup=0):
             assert recs[r][k][0] == key
             assert torch.equal(recs[r][k][2], out0), f"{codec}: rank {r} bucket {index} differs"
         sim.step = step  # warm-up policy follows the hook's step count
-        expected = sim.reduce([recs[r][k][1] for r in range(world)], bucket_index=(index, layout))
+        numels = [math.prod(shape) for shape in layout] or None  # the bucket's tensors
+        expected = sim.reduce([recs[r][k][1] for r in range(world)], bucket_index=(index, layout),
+                              numels=numels)
         if step < warmup or out0.numel() < max(min_numel, world):
             # plain fp32 all-reduce: the backend's summation order, equal to fp32 rounding
             torch.testing.assert_close(out0, expected, rtol=1e-6, atol=1e-7)
@@ -55,6 +61,9 @@ def check_replicas_and_reference(runs, codec, world, min_numel=32, warmup=0):
 TRAIN = [(f"{codec.replace(':', '_')}_{int(static)}", {"codec": codec, "static_graph": static, "steps": 4})
          for codec in CODECS for static in (False, True)]
 TRAIN.append(("warmup", {"codec": "int8", "warmup": 2, "steps": 4}))  # then compression starts
+DIRECTION = [("adamw_sign", {"codec": "sign:block=64", "optimizer": "adamw", "steps": 4}),
+             ("sgd_topk", {"codec": "topk:0.1", "optimizer": "sgd", "steps": 4}),
+             ("adamw_int8_warmup", {"codec": "int8", "optimizer": "adamw", "warmup": 2, "steps": 4})]
 UNUSED = [(f"unused_{c.split(':')[0]}", {"codec": c, "unused_branch": True, "find_unused": True,
                                           "bucket_view": True, "steps": 3})
           for c in ("int8", "topk:0.1", "bf16")]
@@ -69,7 +78,7 @@ def session(request, tmp_path_factory):
     tests below check what they recorded."""
     world = request.param
     outdir = tmp_path_factory.mktemp(f"ddp{world}")
-    plan = [("train", (TRAIN + UNUSED,)), ("fp16_vs_pytorch", ()), ("overflow", (OVERFLOW,)),
+    plan = [("train", (TRAIN + UNUSED + DIRECTION,)), ("fp16_vs_pytorch", ()), ("overflow", (OVERFLOW,)),
             ("checkpoint_resume", (CKPT,)),
             ("mismatched", (MISMATCH[world],))]  # last: it leaves a DDP mid-backward
     run_ranks(sc.session, world, str(outdir), plan, timeout=240)
@@ -90,6 +99,17 @@ def test_replicas_identical_and_equal_to_simulation_across_rebuild(session, name
         assert last["compression_ratio"] > 1.5, (name, last)
     if "warmup" in cfg:
         assert stats[0][0]["compressed_buckets"] == 0 and stats[0][3]["compressed_buckets"] > 0
+
+
+@pytest.mark.parametrize("name,cfg", DIRECTION, ids=[n for n, _ in DIRECTION])
+def test_optimizer_direction_equals_simulation(session, name, cfg):
+    """With a gradzip.optim optimizer the hook compresses each rank's direction; replicas stay
+    identical and every bucket equals SimulatedWorkers given the same optimizer kind."""
+    world, outdir = session
+    runs = load(outdir, name, world)
+    check_replicas_and_reference(runs, cfg["codec"], world, warmup=cfg.get("warmup", 0),
+                                 optimizer=cfg["optimizer"])
+    assert all(torch.isfinite(p).all() for p in runs[0]["params"])
 
 
 @pytest.mark.parametrize("name,cfg", UNUSED, ids=[n for n, _ in UNUSED])

@@ -12,16 +12,20 @@ decodes. Two drivers run it:
 Both run exactly the same arithmetic (the same op calls, in the same order, on the same bytes), so a
 simulated reduction equals the multi-rank one bit for bit.
 
-Algorithms (DESIGN.md):
+Algorithms:
 
 * ``two_phase`` (fp32, fp16, bf16, int8, sign): the bucket is split into W shards; every rank
   encodes each shard with its error feedback and prescale 1/W; all-to-all sends shard j to rank j;
-  the owner decodes the W contributions in rank order, summing in fp32, re-encodes the sum with its
-  second ("owner") residual; all-gather; every rank decodes every shard. The casts use it too,
+  the owner decodes the W contributions in rank order, summing in fp32, re-encodes the sum (with a
+  residual of its own only for optimizer directions, see _two_phase); all-gather; every rank
+  decodes every shard. The casts use it too,
   rather than a 16-bit all-reduce: it moves the same bytes as a ring all-reduce (2 (W-1)/W of the
   16-bit buffer per rank), but accumulates in fp32 in a fixed order, so the sum neither loses
   precision nor overflows as W grows, the result is bitwise reproducible and identical on all ranks
   on any backend, and the simulation matches it exactly.
+* Pieces: for the block-scaled codecs (int8, sign) a shard is encoded as one message per tensor
+  piece (the bucket cut at its tensor boundaries, see piece_cuts), so that no block mixes two
+  tensors; the messages follow each other in 16-byte aligned slots.
 * ``all_gather`` (topk): every rank encodes the whole bucket (prescale 1/W, error feedback); the
   fixed-size payloads are all-gathered; every rank decode-adds them in rank order into zeros.
 
@@ -87,15 +91,53 @@ def aligned(nbytes: int) -> int:
     return (nbytes + 15) & ~15
 
 
+# Codecs whose scales are per block: their blocks restart at every tensor boundary of a bucket (a
+# block spanning a large-gradient and a small-gradient tensor gives the small one the large one's
+# scale: its error, fed back, then dominates its residual). Element-wise casts gain nothing from it.
+BLOCK_SCALED_KINDS = ("int8", "sign")
+# A tensor piece shorter than this is merged into its neighbour: below it the 32-byte header of a
+# message of its own costs more than a shared scale.
+MIN_PIECE = 64
+
+
+def piece_lengths(lo: int, hi: int, cuts: tuple) -> tuple:
+    """Lengths of the pieces of [lo, hi) cut at the sorted offsets ``cuts`` (tensor boundaries),
+    where no piece is shorter than MIN_PIECE (unless [lo, hi) is)."""
+    lens, start = [], lo
+    for c in cuts:
+        if c - start >= MIN_PIECE and hi - c >= MIN_PIECE:
+            lens.append(c - start)
+            start = c
+    lens.append(hi - start)
+    return tuple(lens)
+
+
+def message_bytes(lens: tuple, spec: str) -> int:
+    """Bytes of a sequence of messages, one per piece, each in a 16-byte aligned slot."""
+    return sum(aligned(encoded_bytes(m, spec)) for m in lens)
+
+
 @lru_cache(maxsize=1024)
-def shard_layout(n: int, world: int, spec: str):
-    """(shard starts, encoded bytes of each shard)."""
+def shard_layout(n: int, world: int, spec: str, cuts: tuple = ()):
+    """(shard starts, the piece lengths of each shard, the message bytes of each shard)."""
     starts = shard_bounds(n, world)
-    sizes = [encoded_bytes(starts[j + 1] - starts[j], spec) for j in range(world)]
-    return tuple(starts), tuple(sizes)
+    pieces = tuple(piece_lengths(starts[j], starts[j + 1], cuts) for j in range(world))
+    return tuple(starts), pieces, tuple(message_bytes(p, spec) for p in pieces)
 
 
-def traffic(plan: Optional[CodecPlan], n: int, world: int, rank: int):
+def piece_cuts(plan: "CodecPlan", numels) -> tuple:
+    """Interior tensor boundaries of a bucket holding tensors of ``numels`` elements, for codecs
+    whose blocks restart there (empty for the others)."""
+    if plan is None or plan.kind not in BLOCK_SCALED_KINDS or not numels:
+        return ()
+    cuts, off = [], 0
+    for m in list(numels)[:-1]:
+        off += int(m)
+        cuts.append(off)
+    return tuple(cuts)
+
+
+def traffic(plan: Optional[CodecPlan], n: int, world: int, rank: int, cuts: tuple = ()):
     """Bytes (sent, received) by one rank for one bucket of n elements; plan None = fp32 all-reduce
     (counted as a ring all-reduce: 2 (W-1)/W of the buffer each way)."""
     if world == 1:
@@ -104,71 +146,90 @@ def traffic(plan: Optional[CodecPlan], n: int, world: int, rank: int):
         b = 2 * (world - 1) * 4 * n // world
         return b, b
     if plan.two_phase:
-        _, sizes = shard_layout(n, world, plan.spec)
-        slot = aligned(max(sizes))
-        sent = sum(aligned(s) for j, s in enumerate(sizes) if j != rank) + (world - 1) * slot
-        received = (world - 1) * aligned(sizes[rank]) + (world - 1) * slot
+        _, _, sizes = shard_layout(n, world, plan.spec, cuts)
+        slot = max(sizes)
+        sent = sum(s for j, s in enumerate(sizes) if j != rank) + (world - 1) * slot
+        received = (world - 1) * sizes[rank] + (world - 1) * slot
         return sent, received
     e = aligned(encoded_bytes(n, plan.spec))
     return (world - 1) * e, (world - 1) * e
 
 
-# ---- error-feedback state ---------------------------------------------------------------------------
-class BucketEF:
-    """Residuals of one bucket: ``residual`` (n, this rank's) and, for two-phase codecs,
-    ``owner_residual`` (the shard this rank owns)."""
+# ---- per-bucket state ------------------------------------------------------------------------------
+class BucketState:
+    """What one rank keeps for one bucket between steps: ``residual`` (n, error feedback; absent
+    without it), ``owner_residual`` (the shard this rank owns in a two-phase collective, kept only
+    where an optimizer direction is compressed, see _two_phase) and ``moments`` (the buffers of an
+    optimizer direction computed on this rank, see gradzip.optim)."""
 
-    __slots__ = ("layout", "residual", "owner_residual", "_backups")
+    __slots__ = ("layout", "residual", "owner_residual", "moments", "updates", "_backups")
 
-    def __init__(self, layout, residual: torch.Tensor, owner_residual: Optional[torch.Tensor]):
+    def __init__(self, layout, residual, owner_residual=None, moments=(), updates: int = 0):
         self.layout = layout
         self.residual = residual
         self.owner_residual = owner_residual
+        self.moments = list(moments)
+        self.updates = updates  # steps the moments have seen (bias correction)
         self._backups = None
 
+    def tensors(self) -> list:
+        return [self.residual, self.owner_residual, *self.moments]
+
     def backups(self):
-        """Persistent buffers shaped like the residuals, for NonfiniteGuard (allocated once: a
-        fresh multi-MB CPU buffer per step would pay its page faults every step)."""
-        if self._backups is None or self._backups[0].device != self.residual.device:
-            self._backups = [torch.empty_like(self.residual),
-                             None if self.owner_residual is None else torch.empty_like(self.owner_residual)]
+        """Persistent buffers shaped like the state, for NonfiniteGuard (allocated once: a fresh
+        multi-MB CPU buffer per step would pay its page faults every step)."""
+        ts = self.tensors()
+        if self._backups is None or len(self._backups) != len(ts) or any(
+                t is not None and b.device != t.device for t, b in zip(ts, self._backups)):
+            self._backups = [None if t is None else torch.empty_like(t) for t in ts]
         return self._backups
 
+    def to(self, device) -> None:
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        self.residual, self.owner_residual = move(self.residual), move(self.owner_residual)
+        self.moments = [move(t) for t in self.moments]
 
-class EFStore:
-    """Per-bucket residuals keyed by bucket index and checked against the bucket's layout (element
+
+class StateStore:
+    """Per-bucket state keyed by bucket index and checked against the bucket's layout (element
     count and parameter shapes): DDP rebuilds its buckets after the first iteration, so bucket i can
-    change contents; on a mismatch the residuals restart from zero."""
+    change contents; on a mismatch the state restarts from zero."""
 
     def __init__(self):
         self.buckets: dict = {}
 
-    def get(self, index: int, layout, n: int, owner_n: Optional[int], device) -> BucketEF:
-        ef = self.buckets.get(index)
-        if ef is None or ef.layout != layout or ef.residual.numel() != n:
-            owner = None if owner_n is None else torch.zeros(owner_n, dtype=torch.float32, device=device)
-            ef = BucketEF(layout, torch.zeros(n, dtype=torch.float32, device=device), owner)
-            self.buckets[index] = ef
-        elif ef.residual.device != torch.device(device):  # loaded from a checkpoint elsewhere
-            ef.residual = ef.residual.to(device)
-            if ef.owner_residual is not None:
-                ef.owner_residual = ef.owner_residual.to(device)
-        if (owner_n is not None) != (ef.owner_residual is not None) or (
-                owner_n is not None and ef.owner_residual.numel() != owner_n):
-            raise ValueError(f"gradzip: bucket {index}: the stored owner residual does not fit this "
-                             "codec/world size (checkpoint from another configuration?)")
-        return ef
+    def get(self, index: int, layout, n: int, residual: bool, owner_n: Optional[int],
+            moments: int, device) -> BucketState:
+        """``owner_n``: the size of this rank's shard if it keeps an owner residual, else None."""
+        st = self.buckets.get(index)
+        if st is None or st.layout != layout:
+            zeros = lambda m: torch.zeros(m, dtype=torch.float32, device=device)  # noqa: E731
+            st = BucketState(layout, zeros(n) if residual else None,
+                             None if owner_n is None else zeros(owner_n),
+                             [zeros(n) for _ in range(moments)])
+            self.buckets[index] = st
+        elif any(t is not None and t.device != torch.device(device) for t in st.tensors()):
+            st.to(device)  # loaded from a checkpoint elsewhere
+        have_owner = None if st.owner_residual is None else st.owner_residual.numel()
+        if ((st.residual is not None) != residual or have_owner != owner_n
+                or len(st.moments) != moments
+                or any(t.numel() != n for t in [st.residual, *st.moments] if t is not None)):
+            raise ValueError(f"gradzip: bucket {index}: the stored state does not fit this "
+                             "error-feedback/optimizer setting (checkpoint from another "
+                             "configuration?)")
+        return st
 
     def state_dict(self) -> dict:
-        return {i: {"layout": ef.layout, "residual": ef.residual.detach().clone(),
-                    "owner_residual": None if ef.owner_residual is None
-                    else ef.owner_residual.detach().clone()}
-                for i, ef in self.buckets.items()}
+        clone = lambda t: None if t is None else t.detach().clone()  # noqa: E731
+        return {i: {"layout": st.layout, "residual": clone(st.residual),
+                    "owner_residual": clone(st.owner_residual), "moments": [clone(t) for t in st.moments], "updates": st.updates}
+                for i, st in self.buckets.items()}
 
     def load_state_dict(self, d: dict) -> None:
+        clone = lambda t: None if t is None else t.detach().clone()  # noqa: E731
         self.buckets = {
-            int(i): BucketEF(tuple(_tuplify(v["layout"])), v["residual"].detach().clone(),
-                             None if v["owner_residual"] is None else v["owner_residual"].detach().clone())
+            int(i): BucketState(tuple(_tuplify(v["layout"])), clone(v["residual"]),
+                                clone(v.get("owner_residual")), [clone(t) for t in v.get("moments", [])], int(v.get("updates", 0)))
             for i, v in d.items()}
 
 
@@ -232,15 +293,37 @@ def _encode(x, residual, out, spec, prescale):
         _ops.encode_with_feedback_into(x, residual, out, spec, prescale)
 
 
-def reduce_bucket(plan: CodecPlan, world: int, rank: int, x: torch.Tensor, ef: Optional[BucketEF],
-                  out: torch.Tensor, guard: Optional[NonfiniteGuard] = None) -> Algorithm:
+def _encode_pieces(x, residual, out, spec, prescale, lens):
+    """Encodes consecutive pieces of ``x`` as consecutive messages in 16-byte aligned slots."""
+    at = off = 0
+    for m in lens:
+        e = encoded_bytes(m, spec)
+        _encode(x[at:at + m], None if residual is None else residual[at:at + m],
+                out[off:off + e], spec, prescale)
+        at += m
+        off += aligned(e)
+
+
+def _decode_pieces(payload, out, spec, lens, add: bool):
+    at = off = 0
+    for m in lens:
+        e = encoded_bytes(m, spec)
+        (_ops.decode_add if add else _ops.decode_into)(payload[off:off + e], out[at:at + m])
+        at += m
+        off += aligned(e)
+
+
+def reduce_bucket(plan: CodecPlan, world: int, rank: int, x: torch.Tensor, ef: Optional["BucketState"],
+                  out: torch.Tensor, guard: Optional[NonfiniteGuard] = None,
+                  cuts: tuple = ()) -> Algorithm:
     """The averaged bucket, written into ``out`` (which may be ``x``), as seen by ``rank``.
-    ``x``: this rank's flat float32 gradient. ``ef``: its residuals, or None (no error feedback).
-    ``guard``: makes the residual updates revocable for a non-finite step (see NonfiniteGuard)."""
+    ``x``: this rank's flat float32 gradient (or optimizer direction). ``ef``: its residuals, or
+    None (no error feedback). ``guard``: makes the state updates revocable for a non-finite step
+    (see NonfiniteGuard). ``cuts``: the bucket's tensor boundaries (see piece_cuts)."""
     if guard is not None and ef is not None:
-        guard.save([ef.residual, ef.owner_residual], ef.backups())
+        guard.save(ef.tensors(), ef.backups())
     if plan.two_phase:
-        yield from _two_phase(plan.spec, world, rank, x, ef, out)
+        yield from _two_phase(plan.spec, world, rank, x, ef, out, cuts)
     else:
         yield from _all_gather(plan.spec, world, x, ef, out)
     if guard is not None:
@@ -248,33 +331,38 @@ def reduce_bucket(plan: CodecPlan, world: int, rank: int, x: torch.Tensor, ef: O
     return out
 
 
-def _two_phase(spec, world, rank, x, ef, out):
+def _two_phase(spec, world, rank, x, ef, out, cuts):
     n = x.numel()
-    starts, sizes = shard_layout(n, world, spec)
+    residual = None if ef is None else ef.residual
+    starts, pieces, sizes = shard_layout(n, world, spec, cuts)
     prescale = 1.0 / world
-    slots = [aligned(s) for s in sizes]
-    send = torch.zeros(sum(slots), dtype=torch.uint8, device=x.device)
+    send = torch.zeros(sum(sizes), dtype=torch.uint8, device=x.device)
     off = 0
     for j in range(world):
         lo, hi = starts[j], starts[j + 1]
-        _encode(x[lo:hi], None if ef is None else ef.residual[lo:hi], send[off:off + sizes[j]],
-                spec, prescale)
-        off += slots[j]
-    mine, my_slot = sizes[rank], slots[rank]
-    recv = yield AllToAll(send, slots, [my_slot] * world)
+        _encode_pieces(x[lo:hi], None if residual is None else residual[lo:hi],
+                       send[off:off + sizes[j]], spec, prescale, pieces[j])
+        off += sizes[j]
+    mine = sizes[rank]
+    recv = yield AllToAll(send, list(sizes), [mine] * world)
 
     # Owner: sum the W contributions to my shard in rank order, in fp32, then re-encode the sum.
     acc = torch.zeros(starts[rank + 1] - starts[rank], dtype=torch.float32, device=x.device)
     for i in range(world):
-        _ops.decode_add(recv[i * my_slot:i * my_slot + mine], acc)
-    slot = aligned(max(sizes))
-    reencoded = torch.empty(slot, dtype=torch.uint8, device=x.device)
-    reencoded[mine:].zero_()  # padding of the fixed-size all-gather slot: never decoded
-    _encode(acc, None if ef is None else ef.owner_residual, reencoded[:mine], spec, 1.0)
+        _decode_pieces(recv[i * mine:(i + 1) * mine], acc, spec, pieces[rank], add=True)
+    # The owner's own residual exists only where an optimizer direction is compressed (smooth from
+    # step to step, as the momentum 1-bit Adam compresses): there it helps. On raw gradients,
+    # feeding back the error of re-quantising a sum of quantised messages compounds the two
+    # errors: under SGD with momentum the worker residual of sign grew to 30x the gradient
+    # (tests/python/test_error_feedback.py). Zeros: the padding between messages and of the
+    # fixed-size all-gather slot is never decoded.
+    reencoded = torch.zeros(max(sizes), dtype=torch.uint8, device=x.device)
+    _encode_pieces(acc, None if ef is None else ef.owner_residual, reencoded, spec, 1.0,
+                   pieces[rank])
     gathered = yield AllGather(reencoded)
 
     for j in range(world):
-        _ops.decode_into(gathered[j, :sizes[j]], out[starts[j]:starts[j + 1]])
+        _decode_pieces(gathered[j], out[starts[j]:starts[j + 1]], spec, pieces[j], add=False)
 
 
 def _all_gather(spec, world, x, ef, out):

@@ -22,15 +22,15 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from .collective import (CodecPlan, DistExchange, EFStore, NonfiniteGuard, Sequencer, drive_async,
-                         reduce_bucket, run_simulated, shard_bounds, traffic)
+from .collective import (CodecPlan, DistExchange, NonfiniteGuard, Sequencer, StateStore, drive_async,
+                         piece_cuts, reduce_bucket, run_simulated, shard_bounds, traffic)
 
 __all__ = ["CompressionState", "compress_hook", "SimulatedWorkers"]
 
 logger = logging.getLogger(__name__)
 
 _FINGERPRINT_BYTES = 256
-_STATE_VERSION = 1
+_STATE_VERSION = 2  # 2: optimizer moments added; owner residual only for optimizer directions
 
 
 class _Config:
@@ -38,8 +38,15 @@ class _Config:
     simulation: warm-up steps and small buckets go uncompressed."""
 
     def __init__(self, codec: str, error_feedback: bool, warmup_steps: int, min_compress_numel: int,
-                 guard_nonfinite: bool):
+                 guard_nonfinite: bool, optimizer=None):
         self.plan = CodecPlan.parse(codec)
+        self.direction = None
+        if optimizer is not None:
+            direction = getattr(optimizer, "direction", None)
+            if direction is None or not hasattr(direction, "apply_"):
+                raise TypeError("gradzip: optimizer must be a gradzip.optim optimizer "
+                                f"(CompressedAdamW, CompressedSGD), got {type(optimizer).__name__}")
+            self.direction = direction
         if warmup_steps < 0 or min_compress_numel < 0:
             raise ValueError("gradzip: warmup_steps and min_compress_numel must be >= 0")
         self.error_feedback = bool(error_feedback)
@@ -54,17 +61,34 @@ class _Config:
     def describe(self, world: int) -> str:
         return (f"codec={self.plan.spec} error_feedback={int(self.error_feedback)} "
                 f"warmup_steps={self.warmup_steps} min_compress_numel={self.min_compress_numel} "
-                f"guard_nonfinite={int(self.guard_nonfinite)} world={world}")
+                f"guard_nonfinite={int(self.guard_nonfinite)} world={world} direction="
+                f"{'none' if self.direction is None else self.direction.describe()}")
 
     def compresses(self, step: int, n: int, world: int) -> bool:
         # n >= world: every shard of a two-phase bucket holds at least one element.
         return step >= self.warmup_steps and n >= max(self.min_compress_numel, world, 1)
 
-    def owner_numel(self, n: int, world: int, rank: int) -> Optional[int]:
-        if not self.plan.two_phase:
+    @property
+    def keeps_state(self) -> bool:
+        return self.error_feedback or self.direction is not None
+
+    def bucket_state(self, store: StateStore, index: int, layout, n: int, world: int, rank: int,
+                     device):
+        """This rank's state of one bucket, or None when it keeps none."""
+        moments = 0 if self.direction is None else self.direction.buffers
+        if not self.error_feedback and not moments:
             return None
-        b = shard_bounds(n, world)
-        return b[rank + 1] - b[rank]
+        owner_n = None
+        if self.error_feedback and self.plan.two_phase and self.direction is not None:
+            bounds = shard_bounds(n, world)
+            owner_n = bounds[rank + 1] - bounds[rank]
+        return store.get(index, layout, n, self.error_feedback, owner_n, moments, device)
+
+    def apply_direction(self, x: torch.Tensor, st) -> None:
+        """Turns this rank's gradient ``x`` into its optimizer direction, in place."""
+        if self.direction is not None:
+            st.updates += 1
+            self.direction.apply_(x, st.moments, st.updates)
 
 
 class _Stats:
@@ -81,8 +105,8 @@ class _Stats:
         return {"bytes_sent": 0, "bytes_received": 0, "raw_bytes": 0, "buckets": 0,
                 "compressed_buckets": 0}
 
-    def add(self, plan, n, world, rank, compressed):
-        sent, received = traffic(plan if compressed else None, n, world, rank)
+    def add(self, plan, n, world, rank, compressed, cuts=()):
+        sent, received = traffic(plan if compressed else None, n, world, rank, cuts)
         raw, _ = traffic(None, n, world, rank)
         a = self._acc
         a["bytes_sent"] += sent
@@ -113,6 +137,10 @@ class CompressionState:
             copy of the residuals per step (held until the step ends). The restore is applied at
             the next step's first hook call or by ``state_dict()``, on the device, without a host
             synchronisation.
+        optimizer: a gradzip.optim optimizer (CompressedAdamW, CompressedSGD): the hook then turns
+            each rank's gradient into that optimizer's direction (its moments kept here, per
+            bucket, with the residuals) and averages the direction, which ``optimizer.step()``
+            applies. None: the gradient itself is compressed (for torch's optimizers).
 
     The first hook call checks, with one small all-gather, that every rank uses the same
     configuration, and raises ``ValueError`` on all ranks naming the difference (instead of hanging
@@ -135,14 +163,17 @@ class CompressionState:
 
     def __init__(self, codec: str, process_group=None, error_feedback: bool = True,
                  warmup_steps: int = 0, min_compress_numel: int = 4096,
-                 guard_nonfinite: bool = True):
-        self.config = _Config(codec, error_feedback, warmup_steps, min_compress_numel, guard_nonfinite)
+                 guard_nonfinite: bool = True, optimizer=None):
+        self.config = _Config(codec, error_feedback, warmup_steps, min_compress_numel, guard_nonfinite,
+                              optimizer)
         self.process_group = process_group
         self.step = 0
-        self._ef = EFStore()
+        self._ef = StateStore()
         self._stats = _Stats()
         self._runtime = None  # DistExchange, built at the first hook call
-        self._guard = NonfiniteGuard() if guard_nonfinite and error_feedback else None
+        self._guard = NonfiniteGuard() if guard_nonfinite and self.config.keeps_state else None
+        if optimizer is not None:
+            optimizer.attached = True
         self._guard_step = 0  # the step whose residual updates the guard holds
 
     # -- public ---------------------------------------------------------------------------------
@@ -228,6 +259,12 @@ def _bucket_layout(bucket, n: int):
     return (n, tuple(tuple(p.shape) for p in params))
 
 
+def _bucket_numels(bucket, n: int):
+    """Element counts of the bucket's tensors, in buffer order (one tensor if unknown)."""
+    numels = [p.numel() for p in bucket.parameters()] if hasattr(bucket, "parameters") else []
+    return numels if sum(numels) == n else [n]
+
+
 def _allreduce_average(tensor: torch.Tensor, group) -> torch.futures.Future[torch.Tensor]:
     """PyTorch's allreduce_hook: divide first (no overflow), sum; fp32."""
     tensor.div_(group.size())
@@ -248,31 +285,35 @@ def compress_hook(state: "CompressionState",
     n = buf.numel()
     cfg = state.config
     compressed = cfg.compresses(state.step, n, world) and world > 1
-    state._stats.add(cfg.plan, n, world, rank, compressed)
+    cuts = piece_cuts(cfg.plan, _bucket_numels(bucket, n))
+    state._stats.add(cfg.plan, n, world, rank, compressed, cuts)
     guard = state._guard
     if guard is not None and state._guard_step != state.step:
         state._commit()  # first bucket of a new step: the previous step is complete
 
+    st = cfg.bucket_state(state._ef, bucket.index(), _bucket_layout(bucket, n), n, world, rank,
+                          buf.device)
+    # bf16/fp16 buckets are upcast for the codecs and the direction (the state is fp32)
+    keep = buf.dtype == torch.float32 or (not compressed and cfg.direction is None)
+    x = buf if keep else buf.float()
+    if guard is not None and st is not None:
+        guard.save(st.tensors(), st.backups())  # before any update: an overflow step undoes all
+    cfg.apply_direction(x, st)
     if not compressed:
-        fut = _allreduce_average(buf, group)
+        fut = _allreduce_average(x, group)
         if guard is not None:  # an overflow in an uncompressed bucket also voids the step
             def flag(f):
                 guard.flag(f.value())
                 return f.value()
             fut = fut.then(flag)
     else:
-        x = buf if buf.dtype == torch.float32 else buf.float()  # bf16/fp16 buckets: upcast
-        ef = None
-        if cfg.error_feedback:
-            ef = state._ef.get(bucket.index(), _bucket_layout(bucket, n), n,
-                               cfg.owner_numel(n, world, rank), buf.device)
         result = torch.futures.Future(devices=[buf.device]) if buf.is_cuda else torch.futures.Future()
         ticket = exchange.sequencer.reserve() if cfg.plan.two_phase else None
-        drive_async(reduce_bucket(cfg.plan, world, rank, x, ef, x, guard), exchange, result, ticket)
-        if x is buf:
-            fut = result
-        else:
-            fut = result.then(lambda f: buf.copy_(f.value()))
+        drive_async(reduce_bucket(cfg.plan, world, rank, x, st, x, guard, cuts), exchange, result,
+                    ticket)
+        fut = result
+    if x is not buf:
+        fut = fut.then(lambda f: buf.copy_(f.value()))
 
     if bucket.is_last():
         state._stats.end_step(state.step)
@@ -296,16 +337,20 @@ class SimulatedWorkers:
     """
 
     def __init__(self, codec: str, world_size: int, error_feedback: bool = True,
-                 warmup_steps: int = 0, min_compress_numel: int = 0, guard_nonfinite: bool = True):
+                 warmup_steps: int = 0, min_compress_numel: int = 4096, guard_nonfinite: bool = True,
+                 optimizer=None):
         if int(world_size) < 1:
             raise ValueError(f"gradzip: world_size must be >= 1, got {world_size}")
-        self.config = _Config(codec, error_feedback, warmup_steps, min_compress_numel, guard_nonfinite)
+        self.config = _Config(codec, error_feedback, warmup_steps, min_compress_numel, guard_nonfinite,
+                              optimizer)
         self.world_size = int(world_size)
         self.step = 0
-        self._ef = [EFStore() for _ in range(self.world_size)]
+        self._ef = [StateStore() for _ in range(self.world_size)]
         self._stats = _Stats()
-        use_guard = self.config.guard_nonfinite and self.config.error_feedback
+        use_guard = self.config.guard_nonfinite and self.config.keeps_state
         self._guards = [NonfiniteGuard() if use_guard else None for _ in range(self.world_size)]
+        if optimizer is not None:
+            optimizer.attached = True
 
     @property
     def codec(self) -> str:
@@ -316,17 +361,38 @@ class SimulatedWorkers:
         """Rank 0's traffic in the last step, as ``CompressionState.stats``."""
         return dict(self._stats.last)
 
-    def reduce(self, grads: List[torch.Tensor], bucket_index=0, is_last: bool = True) -> torch.Tensor:
+    def residuals(self, rank: int = 0) -> List[torch.Tensor]:
+        """The error-feedback residuals a worker holds (worker and owner, every bucket)."""
+        return [t for st in self._ef[rank].buckets.values()
+                for t in (st.residual, st.owner_residual) if t is not None]
+
+    def reduce(self, grads: List[torch.Tensor], bucket_index=0, is_last: bool = True,
+               numels: Optional[List[int]] = None) -> torch.Tensor:
+        """``numels``: the element counts of the tensors the bucket holds, in order (as DDP's
+        ``bucket.parameters()``); block-scaled codecs restart their blocks at each boundary."""
         world = self.world_size
         if len(grads) != world:
             raise ValueError(f"gradzip: expected {world} gradients, got {len(grads)}")
-        flats = [g.detach().reshape(-1).to(torch.float32).contiguous() for g in grads]
+        cfg = self.config
+        # a copy where the direction is computed in place: the caller's gradients stay as they are
+        flats = [g.detach().reshape(-1).to(torch.float32, copy=cfg.direction is not None)
+                 .contiguous() for g in grads]
         n = flats[0].numel()
         if any(f.numel() != n or f.device != flats[0].device for f in flats):
             raise ValueError("gradzip: all gradients must have the same numel and device")
-        cfg = self.config
+        numels = [n] if numels is None else [int(m) for m in numels]
+        if sum(numels) != n or any(m < 1 for m in numels):
+            raise ValueError(f"gradzip: numels {numels} do not partition the {n} elements")
+        layout = (n, tuple((m,) for m in numels) if len(numels) > 1 else ())
+        cuts = piece_cuts(cfg.plan, numels)
         compressed = cfg.compresses(self.step, n, world) and world > 1
-        self._stats.add(cfg.plan, n, world, 0, compressed)
+        self._stats.add(cfg.plan, n, world, 0, compressed, cuts)
+        states = [cfg.bucket_state(self._ef[r], bucket_index, layout, n, world, r, flats[r].device)
+                  for r in range(world)]
+        for r in range(world):
+            if self._guards[r] is not None and states[r] is not None:
+                self._guards[r].save(states[r].tensors(), states[r].backups())
+            cfg.apply_direction(flats[r], states[r])
         if not compressed:
             out = torch.zeros_like(flats[0])
             for f in flats:
@@ -336,14 +402,8 @@ class SimulatedWorkers:
                     g.flag(out)
         else:
             outs = [torch.empty_like(f) for f in flats]
-            algs = []
-            for r in range(world):
-                ef = None
-                if cfg.error_feedback:
-                    ef = self._ef[r].get(bucket_index, (n, ()), n, cfg.owner_numel(n, world, r),
-                                         flats[r].device)
-                algs.append(reduce_bucket(cfg.plan, world, r, flats[r], ef, outs[r], self._guards[r]))
-            run_simulated(algs)
+            run_simulated([reduce_bucket(cfg.plan, world, r, flats[r], states[r], outs[r],
+                                         self._guards[r], cuts) for r in range(world)])
             out = outs[0]
         if is_last:
             for g in self._guards:

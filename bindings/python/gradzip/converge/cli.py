@@ -1,24 +1,31 @@
 """``python -m gradzip.converge --suite NAME --out DIR``: train every codec of a suite, report.
 
 Finished runs are skipped and an interrupted run resumes from its last checkpoint when the same
-command is run again (a run whose settings changed starts over). ``--ddp`` under ``torchrun``
-trains with real DistributedDataParallel and gradzip's ``compress_hook`` instead of simulated
-workers (one rank per worker; Gloo on CPU, NCCL on GPU).
+command is run again (a run whose settings, code or environment changed starts over; see
+provenance.py). ``--seeds N`` repeats every run for the seeds S..S+N-1 (S from ``--seed``); the
+seed sets both the initial weights and the data. ``--jobs J`` trains J (run, seed) pairs at once,
+each in its own process, with the same results as one after the other. ``--ddp`` under
+``torchrun`` trains with real DistributedDataParallel and gradzip's ``compress_hook`` instead of
+simulated workers (one rank per worker; Gloo on CPU, NCCL on GPU).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import shutil
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from . import report
+from .provenance import environment
 from .suites import SUITES, get_suite
-from .training import RunConfig, load_data, train_simulated
+from .training import (RunConfig, RunFiles, data_key, load_data, read_jsonl, setup_process,
+                       train_simulated)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -35,7 +42,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--data", help="nyu:FILE.mat | kitti:DEPTH_ROOT,RAW_ROOT | folder:DIR "
                                   "(default: procedural scenes)")
     p.add_argument("--weights", help="encoder weights, .pth or .safetensors (e.g. DINOv2's)")
-    p.add_argument("--seed", type=int)
+    p.add_argument("--seed", type=int, help="the first seed (default: the suite's, 0)")
+    p.add_argument("--seeds", type=int, default=1, help="train every run for N seeds (default 1)")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="(run, seed) pairs trained at once, each in its own process with "
+                        "--threads threads (default 1)")
+    p.add_argument("--eval-every", type=int, help="override the test-set evaluation interval")
     p.add_argument("--fresh", action="store_true", help="discard earlier results in --out")
     p.add_argument("--ddp", action="store_true", help="real DDP under torchrun (see above)")
     p.add_argument("--threads", type=int, default=1,
@@ -47,7 +59,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def overrides(args) -> dict:
     o = {"steps": args.steps, "workers": args.workers, "data": args.data,
-         "weights": args.weights, "seed": args.seed}
+         "weights": args.weights, "seed": args.seed, "eval_every": args.eval_every}
     return {k: v for k, v in o.items() if v is not None}
 
 
@@ -62,11 +74,17 @@ def select(configs: list[RunConfig], codecs: str | None) -> list[RunConfig]:
     return [names[w] for w in wanted]
 
 
+def with_seeds(configs: list[RunConfig], n: int) -> list[RunConfig]:
+    """Every run for the seeds S..S+n-1 (S: the runs' seed), in table order: run by run."""
+    return [replace(c, seed=c.seed + i) for c in configs for i in range(n)]
+
+
 class Progress:
     def __init__(self, cfg: RunConfig, quiet: bool):
         from tqdm import tqdm
 
-        self.bar = tqdm(total=cfg.steps, desc=f"{cfg.name:>14}", unit="step", disable=quiet,
+        self.bar = tqdm(total=cfg.steps, desc=f"{cfg.name:>14} s{cfg.seed}", unit="step",
+                        disable=quiet,
                         dynamic_ncols=True, file=sys.stderr)
 
     def __call__(self, step: int, loss: float) -> None:
@@ -78,20 +96,60 @@ class Progress:
         self.bar.close()
 
 
-def set_threads(n: int) -> None:
-    torch.set_num_threads(n)
-    try:
-        import gradzip
-
-        gradzip.set_num_threads(n)
-    except ImportError:  # extension not built: only the baseline can run anyway
-        pass
-
-
 def clear_results(out: Path) -> None:
+    """Everything but the cached scenes (out/data), which are keyed by what they depend on."""
     shutil.rmtree(out / "runs", ignore_errors=True)
     shutil.rmtree(out / "checkpoints", ignore_errors=True)
-    (out / "steps.jsonl").unlink(missing_ok=True)
+    for name in ("steps.jsonl", "evals.jsonl"):
+        (out / name).unlink(missing_ok=True)
+
+
+def write_suite_json(out: Path, suite, device: torch.device, args) -> None:
+    (out / "suite.json").write_text(json.dumps(
+        {"suite": suite.name, "device": str(device), "argv": args.argv, "seeds": args.seeds,
+         "jobs": args.jobs, "cpus": os.cpu_count(), "environment": environment()}, indent=1))
+
+
+_data: dict = {}  # this process's data set by data_key, one at a time (4k scenes are 0.5 GB)
+
+
+def run_job(cfg: RunConfig, out: Path, device: torch.device, quiet: bool = True) -> dict:
+    """One (run, seed): its result if finished, else trained (or resumed) on its data."""
+    if (res := RunFiles(out, cfg).done()) is not None:
+        return res  # without loading the data
+    if data_key(cfg) not in _data:
+        _data.clear()
+        _data[data_key(cfg)] = load_data(cfg, out / "data")
+    bar = Progress(cfg, quiet)
+    try:
+        return train_simulated(cfg, out, _data[data_key(cfg)], device, progress=bar)
+    finally:
+        bar.close()
+
+
+def _pool_job(job: tuple) -> tuple[int, dict]:
+    i, *rest = job
+    return i, run_job(*rest)
+
+
+def run_all(configs: list[RunConfig], out: Path, device: torch.device, args) -> list[dict]:
+    """Results in the order of ``configs``; trained seed by seed, so that consecutive jobs of a
+    process share their data."""
+    order = sorted(range(len(configs)), key=lambda i: configs[i].seed)
+    results = [None] * len(configs)
+    if args.jobs == 1:
+        for i in order:
+            results[i] = run_job(configs[i], out, device, args.quiet)
+        return results
+    # spawn: each worker is a fresh interpreter, set up like this one (threads, CUDA flags)
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(args.jobs, setup_process, (device, args.threads)) as pool:
+        jobs = [(i, configs[i], out, device) for i in order]
+        for i, res in pool.imap_unordered(_pool_job, jobs):
+            results[i] = res
+            if not args.quiet:
+                print(f"{res['run']:>14} s{res['seed']}: done", file=sys.stderr)
+    return results
 
 
 def main(argv=None) -> int:
@@ -102,12 +160,15 @@ def main(argv=None) -> int:
         return 0
     if args.out is None:
         raise SystemExit("--out DIR is required")
-    if args.threads < 1:
-        raise SystemExit("--threads must be >= 1")
-    set_threads(args.threads)
+    if min(args.threads, args.seeds, args.jobs) < 1:
+        raise SystemExit("--threads, --seeds and --jobs must be >= 1")
+    if args.ddp and args.jobs != 1:
+        raise SystemExit("--jobs does not apply to --ddp (torchrun starts one process per rank)")
+    args.argv = sys.argv[1:] if argv is None else list(argv)
     suite = get_suite(args.suite)
-    configs = select(suite.configs(**overrides(args)), args.codecs)
+    configs = with_seeds(select(suite.configs(**overrides(args)), args.codecs), args.seeds)
     device = torch.device(args.device or suite.device)
+    setup_process(device, args.threads)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"suite {suite.name} needs a CUDA device and none is available "
                          "(use --device cpu to force the CPU)")
@@ -119,30 +180,22 @@ def main(argv=None) -> int:
     if args.fresh:
         clear_results(out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "suite.json").write_text(json.dumps(
-        {"suite": suite.name, "device": str(device), "argv": sys.argv[1:] if argv is None
-         else list(argv), "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count()},
-        indent=1))
-    data = load_data(configs[0])  # every run of a suite shares its data settings
-    results = []
-    for cfg in configs:
-        bar = Progress(cfg, args.quiet)
-        try:
-            results.append(train_simulated(cfg, out, data, device, progress=bar))
-        finally:
-            bar.close()
-    return summarise(out, suite.name, results)
+    write_suite_json(out, suite, device, args)
+    return summarise(out, suite.name, configs, run_all(configs, out, device, args))
 
 
-def summarise(out: Path, suite_name: str, results: list[dict]) -> int:
-    table = report.rows(results)
-    report.write_csv(out / "summary.csv", table)
-    md = report.write_markdown(out / "summary.md", table, f"gradzip convergence: {suite_name}")
-    report.plot(out, table, out / "steps.jsonl")
-    print(f"\n{suite_name}: {results[0]['config']['model']}, "
-          f"{results[0]['config']['workers']} workers, {results[0]['config']['steps']} steps "
-          f"({results[0]['params']:,} parameters)\n")
-    print(md)
-    print(f"written: {out}/summary.csv, summary.md, steps.jsonl, abs_rel_vs_bytes.png, "
-          "loss_curves.png")
+def summarise(out: Path, suite_name: str, configs: list[RunConfig], results: list[dict]) -> int:
+    for name in ("steps", "evals"):  # the runs' own logs, concatenated in table order
+        with open(out / f"{name}.jsonl", "w") as f:
+            for cfg in configs:
+                f.write(getattr(RunFiles(out, cfg), name).read_text())
+    table = report.rows(results, read_jsonl(out / "evals.jsonl"))
+    agg = report.aggregate(table)
+    written = report.write_all(out, table, agg, results, f"gradzip convergence: {suite_name}")
+    cfg = results[0]["config"]
+    seeds = sorted({r["seed"] for r in results})
+    print(f"\n{suite_name}: {cfg['model']}, {cfg['workers']} workers, {cfg['steps']} steps "
+          f"({results[0]['params']:,} parameters), seeds {', '.join(map(str, seeds))}\n")
+    print(report.markdown(agg, report.MAIN))
+    print(f"written in {out}: {', '.join(p.name for p in written)}, steps.jsonl, evals.jsonl")
     return 0

@@ -48,11 +48,14 @@ def bucket_bounds(numels: list[int], cap_bytes: int,
 
 
 class Reducer:
-    """Averages W flat fp32 gradients bucket by bucket; keeps the last step's traffic."""
+    """Averages W flat fp32 gradients bucket by bucket; keeps the last step's traffic.
+
+    ``optimizer``: a gradzip.optim optimizer, whose per-worker direction is then what each worker
+    compresses (the reduce returns the averaged direction, for that optimizer's step)."""
 
     def __init__(self, codec: str, workers: int, error_feedback: bool = True,
                  param_numels: list[int] | None = None, bucket_cap_mb: float = 25.0,
-                 first_bucket_bytes: int = FIRST_BUCKET_BYTES):
+                 first_bucket_bytes: int = FIRST_BUCKET_BYTES, optimizer=None):
         from gradzip.ddp import SimulatedWorkers  # compiled extension: imported only here
 
         self.codec = canonical_codec(codec)
@@ -64,7 +67,7 @@ class Reducer:
         baseline = self.codec == BASELINE
         self._sim = SimulatedWorkers(self.codec, workers, error_feedback=error_feedback and not
                                      baseline, min_compress_numel=_NEVER if baseline else
-                                     MIN_COMPRESS_NUMEL)
+                                     MIN_COMPRESS_NUMEL, optimizer=optimizer)
         self.bytes_per_step = 0  # bytes one worker sent in the last step
         self.raw_bytes_per_step = 0  # what an uncompressed fp32 ring all-reduce would send
 
@@ -76,13 +79,18 @@ class Reducer:
         if sum(numels) != n:
             raise ValueError(f"gradients hold {n} elements, the parameters {sum(numels)}")
         out = torch.empty_like(grads[0])
-        sent = raw = 0
-        for i, (a, b) in enumerate(bucket_bounds(numels, self.cap_bytes, self.first_bucket_bytes)):
-            out[a:b] = self._sim.reduce([g[a:b] for g in grads], bucket_index=i)
-            stats = self._sim.stats
-            sent += stats["bytes_sent"]
-            raw += stats["raw_bytes"]
-        self.bytes_per_step, self.raw_bytes_per_step = sent, raw
+        bounds = bucket_bounds(numels, self.cap_bytes, self.first_bucket_bytes)
+        starts = [0]
+        for m in numels:
+            starts.append(starts[-1] + m)
+        for i, (a, b) in enumerate(bounds):
+            # the bucket's tensors (buckets are cut at tensor boundaries), for per-tensor blocks
+            inside = [numels[j] for j in range(len(numels)) if a <= starts[j] < b]
+            # one step = every bucket; the last one ends it (step count, warm-up, the guard)
+            out[a:b] = self._sim.reduce([g[a:b] for g in grads], bucket_index=i,
+                                        is_last=i == len(bounds) - 1, numels=inside)
+        stats = self._sim.stats  # the step's traffic, summed over its buckets
+        self.bytes_per_step, self.raw_bytes_per_step = stats["bytes_sent"], stats["raw_bytes"]
         return out
 
     def state_dict(self) -> dict:

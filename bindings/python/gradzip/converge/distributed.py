@@ -13,7 +13,6 @@ reported as n/a.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import time
@@ -25,8 +24,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .compression import _NEVER, BASELINE, MIN_COMPRESS_NUMEL
-from .training import (RunConfig, RunFiles, batch_indices, evaluate, finish, load_data,
-                       make_model, make_optimizer, shard_loss)
+from .training import (RunConfig, RunFiles, batch_indices, data_key, eval_due, evaluate, finish,
+                       load_data, make_model, make_optimizer, shard_loss)
 
 
 def _broadcast(obj, src: int = 0):
@@ -37,6 +36,7 @@ def _broadcast(obj, src: int = 0):
 
 def train_ddp(cfg: RunConfig, out: Path, data, device, progress=None) -> dict | None:
     from gradzip.ddp import CompressionState, compress_hook
+    from gradzip.optim import CompressedAdamW
 
     rank, world = dist.get_rank(), dist.get_world_size()
     files = RunFiles(out, cfg) if rank == 0 else None
@@ -48,11 +48,12 @@ def train_ddp(cfg: RunConfig, out: Path, data, device, progress=None) -> dict | 
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
               bucket_cap_mb=cfg.bucket_cap_mb)
     baseline = cfg.codec == BASELINE
-    state = CompressionState(cfg.codec, error_feedback=cfg.error_feedback and not baseline,
-                             min_compress_numel=_NEVER if baseline else MIN_COMPRESS_NUMEL)
-    ddp.register_comm_hook(state, compress_hook)
     opt, sched = make_optimizer(cfg, model)
-    rank_ckpt = out / "checkpoints" / f"{cfg.name.replace(':', '_')}.rank{rank}.pt"
+    state = CompressionState(cfg.codec, error_feedback=cfg.error_feedback and not baseline,
+                             min_compress_numel=_NEVER if baseline else MIN_COMPRESS_NUMEL,
+                             optimizer=opt if isinstance(opt, CompressedAdamW) else None)
+    ddp.register_comm_hook(state, compress_hook)
+    rank_ckpt = out / "checkpoints" / f"{cfg.name.replace(':', '_')}-s{cfg.seed}.rank{rank}.pt"
     start, wall = 0, 0.0
     ckpt = _broadcast(files.load_checkpoint() if rank == 0 else None)
     if ckpt is not None:
@@ -62,7 +63,7 @@ def train_ddp(cfg: RunConfig, out: Path, data, device, progress=None) -> dict | 
         state.load_state_dict(torch.load(rank_ckpt, map_location=device, weights_only=False))
         start, wall = ckpt["step"], ckpt["wall_s"]
     if rank == 0:
-        files.truncate_steps(start)
+        files.truncate_logs(start)
     n_train, b = train["rgb"].shape[0], cfg.batch_per_worker
     log = open(files.steps, "a") if rank == 0 else None
     model.train()
@@ -81,27 +82,28 @@ def train_ddp(cfg: RunConfig, out: Path, data, device, progress=None) -> dict | 
             stats = state.stats
             loss_v = float(mean_loss) / world
             log.write(json.dumps({
-                "run": cfg.name, "codec": cfg.codec, "error_feedback": cfg.error_feedback,
-                "step": step, "loss": loss_v, "lr": sched.get_last_lr()[0],
-                "bytes": stats["bytes_sent"], "raw_bytes": stats["raw_bytes"], "codec_ms": None,
+                "run": cfg.name, "seed": cfg.seed, "codec": cfg.codec,
+                "error_feedback": cfg.error_feedback, "step": step, "loss": loss_v,
+                "lr": sched.get_last_lr()[0], "bytes": stats["bytes_sent"],
+                "raw_bytes": stats["raw_bytes"], "codec_ms": None,
                 "wall_s": wall}) + "\n")
             if progress is not None:
                 progress(step + 1, loss_v)
+            if eval_due(cfg, step + 1):  # the other ranks wait in the next step's all-reduce
+                files.log_eval(step + 1, evaluate(model, cfg, test, device))
         if (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
             torch.save(state.state_dict(), rank_ckpt)
             dist.barrier()  # every rank's residuals are on disk before the shared checkpoint
             if rank == 0:
                 log.flush()
-                files.save_checkpoint({"config": dataclasses.asdict(cfg), "step": step + 1,
-                                       "wall_s": wall, "model": model.state_dict(),
-                                       "opt": opt.state_dict(), "sched": sched.state_dict()})
+                files.save_checkpoint({"step": step + 1, "wall_s": wall,
+                                       "model": model.state_dict(), "opt": opt.state_dict(),
+                                       "sched": sched.state_dict()})
             dist.barrier()
     res = None
     if rank == 0:
         log.close()
-        metrics = evaluate(model, cfg, test, device)
-        res = finish(files, cfg, metrics, numel=sum(p.numel() for p in model.parameters()),
-                     wall=wall)
+        res = finish(files, cfg, numel=sum(p.numel() for p in model.parameters()), wall=wall)
         files.ckpt.unlink(missing_ok=True)
     dist.barrier()
     rank_ckpt.unlink(missing_ok=True)
@@ -109,7 +111,7 @@ def train_ddp(cfg: RunConfig, out: Path, data, device, progress=None) -> dict | 
 
 
 def main_ddp(args, suite, configs: list[RunConfig], device: torch.device) -> int:
-    from .cli import Progress, clear_results, summarise
+    from .cli import Progress, clear_results, summarise, write_suite_json
 
     if "RANK" not in os.environ:
         raise SystemExit("--ddp runs under torchrun, e.g. torchrun --nproc-per-node 4 "
@@ -127,17 +129,25 @@ def main_ddp(args, suite, configs: list[RunConfig], device: torch.device) -> int
             if args.fresh:
                 clear_results(out)
             out.mkdir(parents=True, exist_ok=True)
+            write_suite_json(out, suite, device, args)
         dist.barrier()
-        data = load_data(configs[0])
-        results = []
-        for cfg in configs:
+        results, key = {}, None
+        for cfg in sorted(configs, key=lambda c: c.seed):  # seed by seed: one data set at a time
+            if data_key(cfg) != key:
+                key, data = data_key(cfg), None
+                if rank == 0:
+                    data = load_data(cfg, out / "data")
+                dist.barrier()  # rank 0 has rendered (and cached) the scenes; the others read them
+                if rank != 0:
+                    data = load_data(cfg, out / "data")
             bar = Progress(cfg, args.quiet or rank != 0)
             try:
-                results.append(train_ddp(cfg, out, data, device, progress=bar))
+                results[cfg] = train_ddp(cfg, out, data, device, progress=bar)
             finally:
                 bar.close()
         if rank == 0:
-            summarise(out, f"{suite.name} (DDP, {backend}, world {world})", results)
+            summarise(out, f"{suite.name} (DDP, {backend}, world {world})", configs,
+                      [results[c] for c in configs])
     finally:
         dist.destroy_process_group()
     return 0

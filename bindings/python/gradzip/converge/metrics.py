@@ -4,16 +4,19 @@ For one image with valid pixels i = 1..n, prediction d_i and ground truth g_i:
   abs_rel  = mean |d - g| / g            sq_rel   = mean (d - g)^2 / g
   rmse     = sqrt(mean (d - g)^2)        rmse_log = sqrt(mean (ln d - ln g)^2)
   delta_k  = fraction of pixels with max(d / g, g / d) < 1.25^k, k = 1, 2, 3
+  abs_rel_med = abs_rel of s * d with s = median(g) / median(d): the error once the global scale,
+             which one image cannot pin down, is taken out (Monodepth's median scaling)
 A pixel is valid where the ground truth is finite and in (min_depth, max_depth] (and the optional
 mask is true); 0 marks a missing value in every loader. Predictions are clamped to
-[min_depth, max_depth] first, as the usual NYU/KITTI evaluation does. Set metrics average the
-per-image values over images (images without a valid pixel are skipped), as BTS and AdaBins do.
+[min_depth, max_depth] first, as the usual NYU/KITTI evaluation does, and s * d again. The median
+of an even count is the mean of the two middle values. Set metrics average the per-image values
+over images (images without a valid pixel are skipped), as BTS and AdaBins do.
 """
 from __future__ import annotations
 
 import torch
 
-NAMES = ("abs_rel", "sq_rel", "rmse", "rmse_log", "delta1", "delta2", "delta3")
+NAMES = ("abs_rel", "abs_rel_med", "sq_rel", "rmse", "rmse_log", "delta1", "delta2", "delta3")
 
 
 def valid_mask(gt: torch.Tensor, min_depth: float = 1e-3, max_depth: float | None = None,
@@ -24,6 +27,13 @@ def valid_mask(gt: torch.Tensor, min_depth: float = 1e-3, max_depth: float | Non
     if mask is not None:
         valid &= mask.bool()
     return valid
+
+
+def _median(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Per-row median of the valid entries of (B, N) ``x``; inf where a row has none."""
+    s = torch.where(valid, x, torch.inf).sort(dim=1).values
+    n = valid.sum(1, keepdim=True).clamp(min=1)
+    return (0.5 * (s.gather(1, (n - 1) // 2) + s.gather(1, n // 2))).squeeze(1)
 
 
 def image_metrics(pred: torch.Tensor, gt: torch.Tensor, mask: torch.Tensor | None = None,
@@ -44,9 +54,12 @@ def image_metrics(pred: torch.Tensor, gt: torch.Tensor, mask: torch.Tensor | Non
     def mean(x):
         return (x * w).sum(1) / n.clamp(min=1)
 
+    scale = torch.where(n > 0, _median(gt, valid) / _median(pred, valid), 1.0)
+    d_med = torch.where(valid, (scale[:, None] * pred).clamp(min=min_depth, max=max_depth), 1.0)
     ratio = torch.maximum(d / g, g / d)
     out = {
         "abs_rel": mean((d - g).abs() / g),
+        "abs_rel_med": mean((d_med - g).abs() / g),
         "sq_rel": mean((d - g) ** 2 / g),
         "rmse": mean((d - g) ** 2).sqrt(),
         "rmse_log": mean((d.log() - g.log()) ** 2).sqrt(),

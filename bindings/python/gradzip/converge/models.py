@@ -133,6 +133,31 @@ class Block(nn.Module):
         return x + self.ls2(self.mlp(self.norm2(x)))
 
 
+def resize(x: torch.Tensor, size, mode: str, align_corners: bool) -> torch.Tensor:
+    """``F.interpolate`` (bilinear or bicubic), except on CUDA under
+    ``torch.use_deterministic_algorithms`` (the GPU suites), where the backward of those kernels,
+    which adds with atomics, raises: there the same map goes through ``resize_separable``."""
+    if x.is_cuda and torch.are_deterministic_algorithms_enabled():
+        return resize_separable(x, size, mode, align_corners)
+    return F.interpolate(x, size=size, mode=mode, align_corners=align_corners)
+
+
+def resize_separable(x: torch.Tensor, size, mode: str, align_corners: bool) -> torch.Tensor:
+    """The resize as two matrix products, rows then columns (deterministic forward and backward).
+    The 1-D weights are F.interpolate's own, read off an identity (its 2-D resize is their outer
+    product); computed in at least fp32, as the kernels compute."""
+    dtype = torch.promote_types(x.dtype, torch.float32)
+
+    def weights(n_in: int, n_out: int) -> torch.Tensor:  # (n_out, n_in)
+        eye = torch.eye(n_in, dtype=torch.float64).reshape(n_in, 1, n_in, 1)
+        w = F.interpolate(eye, size=(n_out, 1), mode=mode, align_corners=align_corners)
+        return w.reshape(n_in, n_out).T.to(x.device, dtype)
+
+    rows, cols = weights(x.shape[-2], size[0]), weights(x.shape[-1], size[1])
+    with torch.autocast(x.device.type, enabled=False):
+        return (rows @ x.to(dtype) @ cols.T).to(x.dtype)
+
+
 def resize_pos_embed(pos: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
     """Bicubic resize of (1, 1 + g*g, D) position embeddings to a (h, w) patch grid."""
     cls, patches = pos[:, :1], pos[:, 1:]
@@ -143,7 +168,7 @@ def resize_pos_embed(pos: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
         return pos
     d = patches.shape[2]
     patches = patches.reshape(1, g, g, d).permute(0, 3, 1, 2)
-    patches = F.interpolate(patches.float(), size=grid, mode="bicubic", align_corners=False)
+    patches = resize(patches.float(), grid, mode="bicubic", align_corners=False)
     patches = patches.to(pos.dtype).permute(0, 2, 3, 1).reshape(1, grid[0] * grid[1], d)
     return torch.cat([cls, patches], dim=1)
 
@@ -217,7 +242,7 @@ class FusionBlock(nn.Module):
             x = x + self.res1(skip)
         x = self.res2(x)
         size = size if size is not None else (x.shape[-2] * 2, x.shape[-1] * 2)
-        x = F.interpolate(x, size=size, mode="bilinear", align_corners=True)
+        x = resize(x, size, mode="bilinear", align_corners=True)
         return self.out_conv(x)
 
 
@@ -255,7 +280,7 @@ class DPTHead(nn.Module):
         p = self.fusion[2](p, l3, size=l2.shape[-2:])
         p = self.fusion[1](p, l2, size=l1.shape[-2:])
         p = self.fusion[0](p, l1)
-        p = F.interpolate(self.out1(p), size=size, mode="bilinear", align_corners=True)
+        p = resize(self.out1(p), size, mode="bilinear", align_corners=True)
         return self.out2(p)  # log-depth, (B, 1, H, W)
 
 

@@ -1,112 +1,260 @@
-"""Suite outputs: summary.csv, summary.md and the PNG plots, from the per-run results."""
+"""Suite outputs, from the per-(run, seed) results and the runs' logs.
+
+What is computed from the training alone is deterministic, so the same command writes the same
+bytes: summary.csv (one row per run and seed), aggregate.csv and summary.md (per run: mean and
+standard deviation over seeds, the paired difference to fp32, steps to target). Measured times
+vary from one execution to the next and go to timings.csv only. Plots: abs_rel_vs_bytes.png,
+loss_curves.png, steps_to_target.png.
+"""
 from __future__ import annotations
 
 import csv
-import json
+import statistics
 from pathlib import Path
 
-COLUMNS = ("codec", "error_feedback", "bytes_per_step", "compression_ratio", "abs_rel", "rmse",
-           "delta1", "wall_s")
-EXTRA = ("sq_rel", "rmse_log", "delta2", "delta3", "codec_ms", "final_loss")
+from .compression import BASELINE
+from .metrics import NAMES
+from .training import read_jsonl
+
+# Steps to target: the first evaluation at which a run's AbsRel is within 5 % of the final AbsRel
+# of the fp32 run of the same seed, i.e. how long a codec takes to get where fp32 ends up.
+TARGET = 1.05
+
+ID = ("run", "codec", "error_feedback")
+METRICS = NAMES + ("final_loss",)
+PAIRED = ("abs_rel_vs_fp32_pct", "steps_to_target")  # need the fp32 run of the same seed
+SUMMARY = ID + ("seed", "bytes_per_step", "compression_ratio") + METRICS + PAIRED
+SPREAD = METRICS + PAIRED  # reported as mean and std over seeds
+AGGREGATE = (ID + ("seeds", "bytes_per_step", "compression_ratio")
+             + tuple(f"{k}_{s}" for k in SPREAD for s in ("mean", "std")) + ("target_reached",))
+TIMINGS = ("run", "seed", "wall_s", "codec_ms")
+MAIN = (("run", "run"), ("bytes/step", "bytes_per_step"), ("ratio", "compression_ratio"),
+        ("AbsRel", "abs_rel"), ("AbsRel, median-scaled", "abs_rel_med"), ("RMSE", "rmse"),
+        ("δ1", "delta1"), ("AbsRel vs fp32 (%)", "abs_rel_vs_fp32_pct"),
+        ("steps to target", "steps_to_target"))
 
 
-def rows(results: list[dict]) -> list[dict]:
-    out = []
+def steps_to_target(evals: list[dict], target: float) -> int | None:
+    """The first evaluated step with AbsRel <= target; None if there is none."""
+    return next((e["step"] for e in sorted(evals, key=lambda e: e["step"])
+                 if e["abs_rel"] <= target), None)
+
+
+def rows(results: list[dict], evals: list[dict]) -> list[dict]:
+    """summary.csv: one row per result, with its paired comparison to fp32 of the same seed."""
+    curves: dict[tuple, list[dict]] = {}
+    for e in evals:
+        curves.setdefault((e["run"], e["seed"]), []).append(e)
+    fp32 = {r["seed"]: r["abs_rel"] for r in results if r["run"] == BASELINE}
+    table = []
     for r in results:
-        row = {k: r[k] for k in COLUMNS}
-        out.append(row | {k: r[k] for k in EXTRA})
+        row = {k: r[k] for k in SUMMARY if k not in PAIRED}
+        ref = fp32.get(r["seed"])
+        row["abs_rel_vs_fp32_pct"] = None if ref is None else 100 * (r["abs_rel"] / ref - 1)
+        row["steps_to_target"] = None if ref is None else steps_to_target(
+            curves.get((r["run"], r["seed"]), []), TARGET * ref)
+        table.append(row)
+    return table
+
+
+def mean_std(xs) -> tuple[float | None, float | None]:
+    """Mean and sample standard deviation (ddof 1; None for a single value) of the values that
+    are not None."""
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return None, None
+    return statistics.fmean(xs), statistics.stdev(xs) if len(xs) > 1 else None
+
+
+def aggregate(table: list[dict]) -> list[dict]:
+    """aggregate.csv: one row per run over its seeds. Steps to target is averaged over the seeds
+    that reach it; ``target_reached`` counts them."""
+    runs: dict[str, list[dict]] = {}
+    for r in table:
+        runs.setdefault(r["run"], []).append(r)
+    out = []
+    for rs in runs.values():
+        a = {k: rs[0][k] for k in ID} | {"seeds": len(rs)}
+        for k in ("bytes_per_step", "compression_ratio"):  # the codec's: the same for each seed
+            a[k] = statistics.fmean(r[k] for r in rs)
+        for k in SPREAD:
+            a[f"{k}_mean"], a[f"{k}_std"] = mean_std(r[k] for r in rs)
+        a["target_reached"] = sum(r["steps_to_target"] is not None for r in rs)
+        out.append(a)
     return out
 
 
-def write_csv(path: Path, table: list[dict]) -> None:
-    with open(path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(COLUMNS)
-        for r in table:
-            w.writerow([_fmt(k, r[k], csv=True) for k in COLUMNS])
-
-
-def _fmt(key: str, v, csv: bool = False) -> str:
+def _csv(key: str, v) -> str:
     if v is None:
-        return "" if csv else "n/a"
+        return ""
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, int) or key == "bytes_per_step":
+        return str(round(v))
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    return str(v)
+
+
+def write_csv(path: Path, table: list[dict], columns: tuple[str, ...]) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f, lineterminator="\n")
+        w.writerow(columns)
+        for r in table:
+            w.writerow([_csv(k, r[k]) for k in columns])
+
+
+def _value(key: str, v) -> str:
+    if v is None:
+        return "never" if key == "steps_to_target" else "n/a"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
     if isinstance(v, str):
         return v
-    if isinstance(v, bool):
-        return str(v).lower() if csv else ("yes" if v else "no")
-    if key == "bytes_per_step":
-        return str(int(round(v)))
+    if key in ("bytes_per_step", "steps_to_target", "seed"):
+        return f"{v:.0f}"
     if key == "compression_ratio":
-        return f"{v:.1f}" if not csv else f"{v:.3f}"
-    if key in ("wall_s",):
         return f"{v:.1f}"
-    if key in ("codec_ms",):
-        return f"{v:.2f}"
+    if key == "abs_rel_vs_fp32_pct":
+        return f"{v:+.2f}"
     return f"{v:.4f}"
 
 
-def markdown(table: list[dict], columns=COLUMNS) -> str:
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    for r in table:
-        lines.append("| " + " | ".join(_fmt(k, r[k]) for k in columns) + " |")
+def _cell(row: dict, key: str) -> str:
+    """A value, or for an aggregate row "mean ± std" (std only over more than one seed)."""
+    if f"{key}_mean" not in row:
+        return _value(key, row[key])
+    m, s = row[f"{key}_mean"], row[f"{key}_std"]
+    text = _value(key, m) if s is None else f"{_value(key, m)} ± {_value(key, s).lstrip('+')}"
+    if key == "steps_to_target" and m is not None and row["target_reached"] < row["seeds"]:
+        text += f" ({row['target_reached']}/{row['seeds']} seeds)"
+    return text
+
+
+def markdown(table: list[dict], columns: tuple[tuple[str, str], ...]) -> str:
+    lines = ["| " + " | ".join(h for h, _ in columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_cell(r, k) for _, k in columns) + " |" for r in table]
     return "\n".join(lines) + "\n"
 
 
-def write_markdown(path: Path, table: list[dict], title: str) -> str:
-    main = markdown(table)
-    extra = markdown(table, ("codec", "error_feedback") + EXTRA)
-    path.write_text(f"# {title}\n\n{main}\nAll metrics (codec_ms: mean time of the simulated "
-                    f"W-worker reduction per step):\n\n{extra}")
-    return main
+def write_markdown(path: Path, table: list[dict], agg: list[dict], title: str) -> None:
+    seeds = sorted({r["seed"] for r in table})
+    path.write_text(
+        f"# {title}\n\nSeeds: {', '.join(map(str, seeds))}. Per run: mean ± standard deviation "
+        f"over the seeds (ddof 1). AbsRel vs fp32: AbsRel / AbsRel of the fp32 run of the same "
+        f"seed - 1, in percent (mean ± std over seeds). Steps to target: the first evaluation "
+        f"with AbsRel <= {TARGET} x the final AbsRel of the fp32 run of the same seed (mean "
+        f"over the seeds that reach it). Measured times: timings.csv.\n\n"
+        f"{markdown(agg, MAIN)}\nEvery run and seed (summary.csv):\n\n"
+        f"{markdown(table, tuple((k, k) for k in SUMMARY))}")
 
 
-def read_steps(path: Path) -> dict[str, list[dict]]:
-    by_run: dict[str, list[dict]] = {}
-    for line in path.read_text().splitlines():
-        rec = json.loads(line)
-        by_run.setdefault(rec["run"], []).append(rec)
-    return by_run
+def write_all(out: Path, table: list[dict], agg: list[dict], results: list[dict],
+              title: str) -> list[Path]:
+    """Every output file but the logs; returns their paths."""
+    paths = [out / "summary.csv", out / "aggregate.csv", out / "timings.csv", out / "summary.md"]
+    write_csv(paths[0], table, SUMMARY)
+    write_csv(paths[1], agg, AGGREGATE)
+    write_csv(paths[2], results, TIMINGS)
+    write_markdown(paths[3], table, agg, title)
+    return paths + plot(out, agg)
 
 
-def plot(out: Path, table: list[dict], steps_path: Path) -> list[Path]:
+def _by_run(recs: list[dict]) -> dict[str, list[list[dict]]]:
+    """Log records -> run -> one step-ordered list per seed, runs in the order they appear."""
+    runs: dict[str, dict[int, list[dict]]] = {}
+    for r in recs:
+        runs.setdefault(r["run"], {}).setdefault(r["seed"], []).append(r)
+    return {k: [sorted(v, key=lambda r: r["step"]) for v in seeds.values()]
+            for k, seeds in runs.items()}
+
+
+def _band(ax, x, ys, label: str):
+    """Mean over seeds (rows of ys) as a line, ± one standard deviation as a band."""
+    import numpy as np
+
+    ys = np.asarray(ys, dtype=float)
+    m = ys.mean(0)
+    (line,) = ax.plot(x, m, label=label, linestyle="--" if label.endswith("-noef") else "-")
+    if len(ys) > 1:
+        s = ys.std(0, ddof=1)
+        ax.fill_between(x, m - s, m + s, color=line.get_color(), alpha=0.2, linewidth=0)
+
+
+def plot(out: Path, agg: list[dict]) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    paths = [out / "abs_rel_vs_bytes.png", out / "loss_curves.png"]
+    paths = [out / "abs_rel_vs_bytes.png", out / "loss_curves.png", out / "steps_to_target.png"]
+    n_seeds = max(a["seeds"] for a in agg)
+    spread = f"mean ± std over {n_seeds} seeds" if n_seeds > 1 else "1 seed"
+
     fig, ax = plt.subplots(figsize=(7, 4.5))
     colours = {}
-    for r in table:
-        c = colours.setdefault(r["codec"], f"C{len(colours)}")  # one colour per codec
-        hollow = not r["error_feedback"] and r["codec"] != "fp32"
-        ax.scatter(r["bytes_per_step"], r["abs_rel"], s=60, color=c,
-                   facecolors="none" if hollow else c, linewidths=1.5)
-        label = f"{r['codec']}{' (no EF)' if hollow else ''}"
-        ax.annotate(label, (r["bytes_per_step"], r["abs_rel"]), textcoords="offset points",
+    for a in agg:
+        c = colours.setdefault(a["codec"], f"C{len(colours)}")  # one colour per codec
+        hollow = not a["error_feedback"] and a["codec"] != BASELINE
+        ax.errorbar(a["bytes_per_step"], a["abs_rel_mean"], yerr=a["abs_rel_std"] or 0, fmt="o",
+                    ms=8, color=c, mfc="none" if hollow else c, mew=1.5, capsize=3)
+        ax.annotate(f"{a['codec']}{' (no EF)' if hollow else ''}",
+                    (a["bytes_per_step"], a["abs_rel_mean"]), textcoords="offset points",
                     xytext=(6, 4), fontsize=8, color=c)
     ax.set_xscale("log")
     ax.set_xlabel("bytes on the wire per worker per step (log)")
     ax.set_ylabel("AbsRel on held-out scenes (lower is better)")
-    ax.set_title("Accuracy vs bandwidth (hollow: without error feedback)")
+    ax.set_title(f"Accuracy vs bandwidth ({spread}; hollow: without error feedback)", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
     fig.savefig(paths[0], dpi=120)
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, recs in read_steps(steps_path).items():
-        recs.sort(key=lambda r: r["step"])
-        ema, ys = None, []
-        for r in recs:  # smoothed: the per-step loss of 16 images is noisy
-            ema = r["loss"] if ema is None else 0.9 * ema + 0.1 * r["loss"]
-            ys.append(ema)
-        ax.plot([r["step"] for r in recs], ys, label=name,
-                linestyle="--" if name.endswith("-noef") else "-")
+    for name, seeds in _by_run(read_jsonl(out / "steps.jsonl")).items():
+        curves = []
+        for recs in seeds:  # smoothed: the per-step loss of 16 images is noisy
+            ema, ys = None, []
+            for r in recs:
+                ema = r["loss"] if ema is None else 0.9 * ema + 0.1 * r["loss"]
+                ys.append(ema)
+            curves.append(ys)
+        _band(ax, [r["step"] for r in seeds[0]], curves, name)
     ax.set_xlabel("step")
     ax.set_ylabel("SILog training loss (EMA 0.9)")
+    ax.set_title(f"Training loss ({spread})", fontsize=10)
     ax.legend(fontsize=8)
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
     fig.savefig(paths[1], dpi=120)
+    plt.close(fig)
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, seeds in _by_run(read_jsonl(out / "evals.jsonl")).items():
+        _band(ax1, [e["step"] for e in seeds[0]], [[e["abs_rel"] for e in s] for s in seeds], name)
+    ref = next((a for a in agg if a["run"] == BASELINE), None)
+    if ref is not None:
+        ax1.axhline(TARGET * ref["abs_rel_mean"], color="k", linewidth=1, linestyle=":",
+                    label=f"target: {TARGET} x final fp32")
+    ax1.set_xlabel("step")
+    ax1.set_ylabel("AbsRel on held-out scenes")
+    ax1.set_title(f"Test AbsRel during training ({spread})", fontsize=10)
+    ax1.legend(fontsize=8)
+    ax1.grid(True, alpha=0.3)
+    ys = range(len(agg))
+    ax2.barh(ys, [a["steps_to_target_mean"] or 0 for a in agg],
+             xerr=[a["steps_to_target_std"] or 0 for a in agg],
+             color=[f"C{i}" for i in ys], capsize=3)
+    for i, a in zip(ys, agg):
+        label = _cell(a, "steps_to_target")
+        ax2.annotate(label, (a["steps_to_target_mean"] or 0, i), textcoords="offset points",
+                     xytext=(4, 0), va="center", fontsize=8)
+    ax2.set_yticks(list(ys), [a["run"] for a in agg])
+    ax2.invert_yaxis()
+    ax2.set_xlabel("steps to reach the target (mean over the seeds that reach it)")
+    ax2.set_title("Steps to target", fontsize=10)
+    ax2.grid(True, axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(paths[2], dpi=120)
     plt.close(fig)
     return paths

@@ -7,10 +7,16 @@ other and hands them to ``Reducer``; in the DDP mode (``distributed.train_ddp``)
 shard w and ``compress_hook`` reduces. Runs resume from their last checkpoint bit for bit: the
 batch of a step does not depend on earlier steps, and the checkpoint carries model, optimiser,
 scheduler and error-feedback state.
+
+A run is evaluated on the test set every ``eval_every`` steps and after its last step (the
+result's metrics are those of that last evaluation). Its files (``RunFiles``) are its own, so
+runs can go in parallel processes; a result or checkpoint counts only under the key it was
+written with: the RunConfig and ``provenance.environment()`` (code version, torch, threads...).
 """
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -21,11 +27,14 @@ from pathlib import Path
 
 import torch
 
+from ..optim import CompressedAdamW
+from ..optim import compresses_direction as recipe
 from .compression import BASELINE, Reducer, canonical_codec
 from .datasets import ProceduralDepth, materialize, open_dataset
 from .losses import silog_loss
-from .metrics import MetricAccumulator
+from .metrics import NAMES, MetricAccumulator
 from .models import build_model
+from .provenance import code_hash, environment
 from .scenes import SceneConfig
 from .weights import load_encoder_weights
 
@@ -49,6 +58,7 @@ class RunConfig:
     test_scenes: int = 64
     max_depth: float = 10.0  # evaluation cap (NYU: 10 m; KITTI: 80 m)
     checkpoint_every: int = 100
+    eval_every: int = 0  # test-set evaluation every this many steps (0: after the last one only)
     bucket_cap_mb: float = 25.0  # DDP's default bucket size; simulated buckets are cut alike
     weights: str | None = None  # encoder weights (.pth / .safetensors)
     amp: bool = True  # bf16 autocast when on CUDA
@@ -75,12 +85,53 @@ def batch_indices(seed: int, step: int, n: int, count: int) -> torch.Tensor:
     return torch.randint(n, (count,), generator=g)
 
 
-def load_data(cfg: RunConfig) -> tuple[dict, dict]:
-    """(train, test) tensors at the run's image size."""
+def setup_process(device: torch.device, threads: int) -> None:
+    """Per-process settings every run depends on; called before anything touches CUDA."""
+    torch.set_num_threads(threads)
+    try:
+        import gradzip
+
+        gradzip.set_num_threads(threads)
+    except ImportError:  # extension not built: only the baseline can run anyway
+        pass
+    if device.type == "cuda":
+        # Bit-reproducible GPU runs: cuBLAS reads its workspace setting when it initialises, cuDNN
+        # must not choose kernels by timing them, and an op without a deterministic kernel raises
+        # instead of varying silently.
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+        torch.use_deterministic_algorithms(True, warn_only=False)
+        torch.backends.cudnn.benchmark = False
+
+
+def data_key(cfg: RunConfig) -> tuple:
+    """The settings ``load_data`` reads: runs that agree on them share their data."""
+    return cfg.data, cfg.image_size, cfg.train_scenes, cfg.test_scenes, cfg.max_depth, cfg.seed
+
+
+def procedural_scenes(n: int, seed: int, scene: SceneConfig, cache: Path | None) -> dict:
+    """Scenes 0..n-1 of ``seed``, kept in ``cache`` (if given) under a key of everything they
+    depend on: rendering takes ~10 ms a scene, and every run of a seed trains on the same ones."""
+    if cache is None:
+        return materialize(ProceduralDepth(n, seed, scene))
+    key = json.dumps({"n": n, "seed": seed, "scene": dataclasses.asdict(scene),
+                      "code": code_hash()}, sort_keys=True)
+    path = cache / f"procedural-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
+    if path.is_file():
+        return torch.load(path, weights_only=True)
+    full = materialize(ProceduralDepth(n, seed, scene))
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # parallel jobs may render the same scenes
+    torch.save(full, tmp)
+    os.replace(tmp, path)
+    return full
+
+
+def load_data(cfg: RunConfig, cache: Path | None = None) -> tuple[dict, dict]:
+    """(train, test) tensors at the run's image size; procedural scenes cached in ``cache``."""
     size = (cfg.image_size, cfg.image_size)
     if cfg.data == "procedural":
         scene = SceneConfig(height=cfg.image_size, width=cfg.image_size, max_depth=cfg.max_depth)
-        full = materialize(ProceduralDepth(cfg.train_scenes + cfg.test_scenes, cfg.seed, scene))
+        full = procedural_scenes(cfg.train_scenes + cfg.test_scenes, cfg.seed, scene, cache)
     else:
         full = materialize(open_dataset(cfg.data), size)
     n = next(iter(full.values())).shape[0]
@@ -100,12 +151,24 @@ def make_model(cfg: RunConfig, device: torch.device) -> torch.nn.Module:
     return model.to(device)
 
 
+def compresses_direction(cfg: RunConfig) -> bool:
+    """The recommended recipe for the run's codec under AdamW (gradzip.optim): compress each
+    worker's Adam direction (CompressedAdamW) or the gradient (torch's AdamW)."""
+    return canonical_codec(cfg.codec) != BASELINE and recipe(cfg.codec, "adamw")
+
+
 def make_optimizer(cfg: RunConfig, model: torch.nn.Module):
+    """AdamW, or gradzip's CompressedAdamW where the codec's recipe compresses the direction (then
+    the Reducer or CompressionState must be given the optimizer)."""
     decay, no_decay = [], []
     for n, p in model.named_parameters():  # no decay on norms, biases, tokens and LayerScale
         (no_decay if p.ndim <= 1 or n.endswith(("cls_token", "pos_embed")) else decay).append(p)
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    if compresses_direction(cfg):
+        opt = CompressedAdamW(groups, lr=cfg.lr)  # betas and eps: AdamW's defaults, as below
+    else:
+        opt = torch.optim.AdamW(groups, lr=cfg.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_factor(s, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio))
     return opt, sched
@@ -138,47 +201,63 @@ def evaluate(model, cfg: RunConfig, test: dict, device, batch: int = 16) -> dict
     return acc.compute()
 
 
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
+
+
+def eval_due(cfg: RunConfig, done: int) -> bool:
+    """Whether the model is evaluated after ``done`` steps."""
+    return done == cfg.steps or (cfg.eval_every > 0 and done % cfg.eval_every == 0)
+
+
 class RunFiles:
-    """Where a run keeps its checkpoint, its result and its per-step log lines."""
+    """Where a run (one RunConfig, one seed) keeps its checkpoint, its result and its logs:
+    ``steps`` (one line per step; "step" counts from 0) and ``evals`` (one line per evaluation;
+    "step" is the number of steps trained)."""
 
     def __init__(self, out: Path, cfg: RunConfig):
         self.cfg = cfg
-        stem = cfg.name.replace(":", "_")  # "topk:0.01" is not a portable file name
+        stem = f"{cfg.name.replace(':', '_')}-s{cfg.seed}"  # "topk:0.01": not a portable name
         self.ckpt = out / "checkpoints" / f"{stem}.pt"
         self.result = out / "runs" / f"{stem}.json"
-        self.steps = out / "steps.jsonl"
+        self.steps = out / "runs" / f"{stem}.steps.jsonl"
+        self.evals = out / "runs" / f"{stem}.evals.jsonl"
+        self.key = {"config": dataclasses.asdict(cfg), "environment": environment()}
         self.ckpt.parent.mkdir(parents=True, exist_ok=True)
         self.result.parent.mkdir(parents=True, exist_ok=True)
+
+    def _current(self, saved: dict) -> bool:
+        return all(saved.get(k) == v for k, v in self.key.items())
 
     def done(self) -> dict | None:
         if not self.result.is_file():
             return None
         res = json.loads(self.result.read_text())
-        return res if res.get("config") == dataclasses.asdict(self.cfg) else None
+        return res if self._current(res) else None
 
-    def truncate_steps(self, from_step: int) -> None:
-        """Drop this run's log lines at or after ``from_step`` (they are about to be redone)."""
-        if not self.steps.is_file():
-            return
-        keep = []
-        for line in self.steps.read_text().splitlines():
-            rec = json.loads(line)
-            if not (rec["run"] == self.cfg.name and rec["step"] >= from_step):
-                keep.append(line)
-        tmp = self.steps.with_suffix(".tmp")
-        tmp.write_text("".join(x + "\n" for x in keep))
-        os.replace(tmp, self.steps)
+    def truncate_logs(self, start: int) -> None:
+        """Drop the log lines of what comes after step ``start`` (it is about to be redone)."""
+        for path, keep in ((self.steps, lambda r: r["step"] < start),
+                           (self.evals, lambda r: r["step"] <= start)):
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in read_jsonl(path) if keep(r)))
+            os.replace(tmp, path)
+
+    def log_eval(self, step: int, metrics: dict) -> None:
+        with open(self.evals, "a") as f:
+            f.write(json.dumps({"run": self.cfg.name, "seed": self.cfg.seed, "step": step,
+                                **metrics}) + "\n")
 
     def save_checkpoint(self, state: dict) -> None:
         tmp = self.ckpt.with_suffix(".tmp")
-        torch.save(state, tmp)
+        torch.save({**self.key, **state}, tmp)
         os.replace(tmp, self.ckpt)  # atomic: an interrupted save leaves the previous one
 
     def load_checkpoint(self) -> dict | None:
         if not self.ckpt.is_file():
             return None
         state = torch.load(self.ckpt, map_location="cpu", weights_only=False)
-        return state if state.get("config") == dataclasses.asdict(self.cfg) else None
+        return state if self._current(state) else None
 
     def write_result(self, res: dict) -> None:
         self.result.write_text(json.dumps(res, indent=1))
@@ -200,7 +279,7 @@ def assign_grads(params: list[torch.Tensor], flat: torch.Tensor) -> None:
 def train_simulated(cfg: RunConfig, out: Path, data: tuple[dict, dict], device: torch.device,
                     progress=None) -> dict:
     """Run (or resume, or skip if finished) one codec with W simulated workers; returns the
-    result dict written to ``out/runs/<name>.json``."""
+    result dict written to ``out/runs/<name>-s<seed>.json``."""
     files = RunFiles(out, cfg)
     if (res := files.done()) is not None:
         return res
@@ -209,7 +288,8 @@ def train_simulated(cfg: RunConfig, out: Path, data: tuple[dict, dict], device: 
     params = [p for p in model.parameters() if p.requires_grad]
     opt, sched = make_optimizer(cfg, model)
     reducer = Reducer(cfg.codec, cfg.workers, cfg.error_feedback,
-                      param_numels=[p.numel() for p in params], bucket_cap_mb=cfg.bucket_cap_mb)
+                      param_numels=[p.numel() for p in params], bucket_cap_mb=cfg.bucket_cap_mb,
+                      optimizer=opt if isinstance(opt, CompressedAdamW) else None)
     start, wall = 0, 0.0
     if (state := files.load_checkpoint()) is not None:
         model.load_state_dict(state["model"])
@@ -217,7 +297,7 @@ def train_simulated(cfg: RunConfig, out: Path, data: tuple[dict, dict], device: 
         sched.load_state_dict(state["sched"])
         reducer.load_state_dict(state["reducer"])
         start, wall = state["step"], state["wall_s"]
-    files.truncate_steps(start)
+    files.truncate_logs(start)
     n_train = train["rgb"].shape[0]
     b = cfg.batch_per_worker
     model.train()
@@ -241,39 +321,43 @@ def train_simulated(cfg: RunConfig, out: Path, data: tuple[dict, dict], device: 
             sched.step()
             loss_v = float(torch.stack(losses).mean())
             wall += time.perf_counter() - t0
-            rec = {"run": cfg.name, "codec": reducer.codec, "error_feedback": cfg.error_feedback,
-                   "step": step, "loss": loss_v, "lr": sched.get_last_lr()[0],
-                   "bytes": reducer.bytes_per_step,
+            rec = {"run": cfg.name, "seed": cfg.seed, "codec": reducer.codec,
+                   "error_feedback": cfg.error_feedback, "step": step, "loss": loss_v,
+                   "lr": sched.get_last_lr()[0], "bytes": reducer.bytes_per_step,
                    "raw_bytes": reducer.raw_bytes_per_step, "codec_ms": 1e3 * codec_s, "wall_s": wall}
             log.write(json.dumps(rec) + "\n")
             if progress is not None:
                 progress(step + 1, loss_v)
+            if eval_due(cfg, step + 1):
+                files.log_eval(step + 1, evaluate(model, cfg, test, device))
             if (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
                 log.flush()
-                files.save_checkpoint({"config": dataclasses.asdict(cfg), "step": step + 1,
-                                       "wall_s": wall, "model": model.state_dict(),
-                                       "opt": opt.state_dict(), "sched": sched.state_dict(),
+                files.save_checkpoint({"step": step + 1, "wall_s": wall,
+                                       "model": model.state_dict(), "opt": opt.state_dict(),
+                                       "sched": sched.state_dict(),
                                        "reducer": reducer.state_dict()})
-    metrics = evaluate(model, cfg, test, device)
-    res = finish(files, cfg, metrics, numel=sum(p.numel() for p in params), wall=wall)
+    res = finish(files, cfg, numel=sum(p.numel() for p in params), wall=wall)
     files.ckpt.unlink(missing_ok=True)
     return res
 
 
-def finish(files: RunFiles, cfg: RunConfig, metrics: dict, numel: int, wall: float) -> dict:
-    """Summarise a finished run from its log lines (bytes, codec time) and its metrics."""
-    recs = [json.loads(x) for x in files.steps.read_text().splitlines()]
-    recs = [r for r in recs if r["run"] == cfg.name]
+def finish(files: RunFiles, cfg: RunConfig, numel: int, wall: float) -> dict:
+    """Summarise a finished run from its log lines (bytes, codec time) and its last evaluation."""
+    recs = read_jsonl(files.steps)
     if len(recs) != cfg.steps:
         raise RuntimeError(f"{cfg.name}: log holds {len(recs)} steps, expected {cfg.steps}")
+    evals = read_jsonl(files.evals)
+    if not evals or evals[-1]["step"] != cfg.steps:
+        raise RuntimeError(f"{cfg.name}: no evaluation after the last step in {files.evals}")
+    metrics = {k: evals[-1][k] for k in NAMES}
     bytes_per_step = sum(r["bytes"] for r in recs) / len(recs)
     raw_bytes = sum(r["raw_bytes"] for r in recs) / len(recs)
     codec_ms = [r["codec_ms"] for r in recs if r.get("codec_ms") is not None]
     res = {"run": cfg.name, "codec": canonical_codec(cfg.codec),
-           "error_feedback": cfg.error_feedback, "params": numel,
+           "error_feedback": cfg.error_feedback, "seed": cfg.seed, "params": numel,
            "bytes_per_step": bytes_per_step, "compression_ratio": raw_bytes / bytes_per_step,
            "codec_ms": sum(codec_ms) / len(codec_ms) if codec_ms else None,
            "final_loss": sum(r["loss"] for r in recs[-10:]) / len(recs[-10:]),
-           "wall_s": wall, **metrics, "config": dataclasses.asdict(cfg)}
+           "wall_s": wall, **metrics, **files.key}
     files.write_result(res)
     return res

@@ -1,0 +1,158 @@
+"""Optimizers made for compression: each rank computes its optimizer direction from its own
+gradient, and that direction is what gets compressed (with error feedback) and averaged.
+
+Why: error feedback keeps the *sum* of what was sent equal to the sum of what should have been
+sent, up to one bounded residual. That guarantee survives a linear update (``p -= lr * avg``) but
+not Adam: Adam divides each coordinate by the root of its second moment, so the residual's
+step-to-step swings (the quantisation error of 1-bit and top-k codecs is as large as the gradient)
+become full-size steps and inflate the second moment. Moving the nonlinear part before the
+compressor fixes this: each rank's Adam direction ``m / (sqrt(v) + eps)`` (its own moments of its
+own gradient, exact, in fp32) is smooth from step to step and O(1) in every coordinate, so a
+block scale fits all of its elements, and the averaged direction is applied linearly.
+
+    opt = gradzip.optim.CompressedAdamW(model.parameters(), lr=1e-3, weight_decay=0.05)
+    state = gradzip.ddp.CompressionState("sign", optimizer=opt)
+    ddp_model.register_comm_hook(state, gradzip.ddp.compress_hook)
+    loss.backward(); opt.step(); opt.zero_grad()          # p -= lr * (avg direction + wd * p)
+
+The hook (or ``SimulatedWorkers(..., optimizer=opt)``) turns each rank's gradient into its
+direction before compressing, and keeps the per-rank moments with the residuals, in
+``CompressionState.state_dict()``. ``opt.step()`` then applies the averaged direction with decoupled
+weight decay; ``opt.state_dict()`` holds only the hyper-parameters (schedulers work as usual).
+``CompressedSGD`` does the same for SGD with momentum (momentum correction, as Deep Gradient
+Compression: each rank accumulates its own velocity and the velocity is compressed).
+
+With an uncompressed codec, CompressedSGD equals ``torch.optim.SGD`` with momentum and decoupled
+weight decay; CompressedAdamW differs from ``torch.optim.AdamW`` only in that each rank normalises
+by the second moment of its own gradient instead of the averaged one (slightly noisier: a rank's
+batch is smaller). :func:`compresses_direction` says where each pays off; the README has the table.
+
+Not for fp16 AMP: ``GradScaler.unscale_`` would divide the directions (which carry no loss scale)
+by the scale. Use bf16 autocast. Bias correction counts the hook calls of a bucket, including a
+non-finite step whose moments are restored.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+__all__ = ["AdamDirection", "MomentumDirection", "CompressedAdamW", "CompressedSGD",
+           "compresses_direction"]
+
+# Where compressing the optimizer direction beats compressing the gradient, by codec family and
+# optimizer (tests/python/test_error_feedback.py and the convergence harness measure it):
+# sign under Adam (the gradient's error-feedback residual, normalised per coordinate, becomes
+# full-size steps) and top-k under SGD with momentum (momentum correction, as Deep Gradient
+# Compression). Everywhere else the gradient is compressed and the usual torch optimizer runs.
+# Not in the list on purpose: sign with CompressedSGD trains well without error feedback (scaled
+# sign of the velocity, like Signum) but error feedback makes it worse there.
+_DIRECTION_RECIPES = {("sign", "adamw"), ("topk", "sgd")}
+
+
+def compresses_direction(codec: str, optimizer: str) -> bool:
+    """True where the recommended recipe for ``codec`` (a spec) with ``optimizer`` ("sgd" for SGD
+    with momentum, "adamw") compresses the optimizer direction (CompressedSGD/CompressedAdamW),
+    False where compress_hook compresses the gradient for torch's own optimizer."""
+    if optimizer not in ("sgd", "adamw"):
+        raise ValueError(f"gradzip.optim: optimizer must be 'sgd' or 'adamw', got {optimizer!r}")
+    return (codec.split(":", 1)[0], optimizer) in _DIRECTION_RECIPES
+
+
+class AdamDirection:
+    """``g <- m_hat / (sqrt(v_hat) + eps)`` with this rank's moments ``m, v`` of its gradient."""
+
+    buffers = 2
+
+    def __init__(self, betas=(0.9, 0.999), eps: float = 1e-8):
+        b1, b2 = float(betas[0]), float(betas[1])
+        if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+            raise ValueError(f"gradzip.optim: betas must be in [0, 1), got {betas}")
+        if not eps > 0.0:
+            raise ValueError(f"gradzip.optim: eps must be > 0, got {eps}")
+        self.betas, self.eps = (b1, b2), float(eps)
+
+    def apply_(self, g: torch.Tensor, moments: list, t: int) -> torch.Tensor:
+        """``t``: 1-based count of the updates these moments have seen (bias correction)."""
+        m, v = moments
+        b1, b2 = self.betas
+        m.mul_(b1).add_(g, alpha=1.0 - b1)
+        v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
+        torch.div(v, 1.0 - b2 ** t, out=g).sqrt_().add_(self.eps)
+        return g.reciprocal_().mul_(m).div_(1.0 - b1 ** t)
+
+    def describe(self) -> str:
+        return f"adam(betas={self.betas[0]!r},{self.betas[1]!r} eps={self.eps!r})"
+
+
+class MomentumDirection:
+    """``g <- u = momentum * u + g`` (Nesterov: ``g + momentum * u``) with this rank's velocity."""
+
+    buffers = 1
+
+    def __init__(self, momentum: float = 0.9, nesterov: bool = False):
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"gradzip.optim: momentum must be in [0, 1), got {momentum}")
+        self.momentum, self.nesterov = float(momentum), bool(nesterov)
+
+    def apply_(self, g: torch.Tensor, moments: list, t: int) -> torch.Tensor:
+        (u,) = moments
+        u.mul_(self.momentum).add_(g)
+        return g.add_(u, alpha=self.momentum) if self.nesterov else g.copy_(u)
+
+    def describe(self) -> str:
+        return f"momentum({self.momentum!r} nesterov={int(self.nesterov)})"
+
+
+class _AppliesDirection(torch.optim.Optimizer):
+    """``p -= lr * (p.grad + weight_decay * p)``, where ``p.grad`` holds the averaged direction
+    written by a CompressionState or SimulatedWorkers that was given this optimizer."""
+
+    def __init__(self, params: Iterable, defaults: dict, direction):
+        if defaults["lr"] < 0.0 or defaults["weight_decay"] < 0.0:
+            raise ValueError("gradzip.optim: lr and weight_decay must be >= 0")
+        super().__init__(params, defaults)
+        self.direction = direction
+        self.attached = False  # set by the hook's state: without it p.grad is a plain gradient
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if not self.attached:
+            raise RuntimeError(
+                f"gradzip.optim.{type(self).__name__}: no compression state computes its "
+                "direction; pass it as CompressionState(..., optimizer=opt) (DDP) or "
+                "SimulatedWorkers(..., optimizer=opt) before stepping")
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, wd = group["lr"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if wd:
+                    p.mul_(1.0 - lr * wd)
+                p.add_(p.grad.to(p.dtype), alpha=-lr)
+        return loss
+
+
+class CompressedAdamW(_AppliesDirection):
+    """AdamW whose per-rank direction ``m_hat / (sqrt(v_hat) + eps)`` is compressed and averaged;
+    decoupled weight decay. ``betas`` and ``eps`` are the same for every parameter group (the hook
+    computes the direction per bucket, across groups)."""
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2):
+        super().__init__(params, {"lr": lr, "weight_decay": weight_decay},
+                         AdamDirection(betas, eps))
+
+
+class CompressedSGD(_AppliesDirection):
+    """SGD with momentum, the velocity kept per rank and compressed (momentum correction);
+    decoupled weight decay (``p -= lr * wd * p``)."""
+
+    def __init__(self, params, lr: float = 1e-2, momentum: float = 0.9,
+                 weight_decay: float = 0.0, nesterov: bool = False):
+        super().__init__(params, {"lr": lr, "weight_decay": weight_decay},
+                         MomentumDirection(momentum, nesterov))

@@ -173,3 +173,29 @@ def test_a_step_spans_buckets_and_an_overflow_anywhere_voids_all_residual_update
     for wb, wa in zip(before, after):
         for i in (0, 1):
             assert torch.equal(wb[i]["residual"], wa[i]["residual"]), "bucket 0 must be undone too"
+
+
+def test_sign_blocks_restart_at_tensor_boundaries():
+    """Two workers with the same gradient, no error feedback: each shard's tensor pieces are
+    scaled on their own, so a small tensor next to a large one keeps its own scale. Reference:
+    float64, written here (shards split at n/2, blocks of 1024 from each piece's start)."""
+    numels = [1500, 96, 700, 2000]  # a 96-element tensor 1000x smaller than its neighbours
+    g = torch.Generator().manual_seed(7)
+    parts = [torch.randn(m, generator=g) * (1e-3 if m == 96 else 1.0) for m in numels]
+    x = torch.cat(parts)
+    n = x.numel()
+    out = SimulatedWorkers("sign", 2, error_feedback=False).reduce([x, x], numels=numels)
+    tensor_starts = [0, 1500, 1596, 2296]
+    want = torch.empty(n, dtype=torch.float64)
+    half = (n + 1) // 2
+    for lo, hi in ((0, half), (half, n)):
+        cuts = sorted({lo, hi, *(t for t in tensor_starts if lo < t < hi)})
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            for s in range(a, b, 1024):
+                e = min(s + 1024, b)
+                block = x[s:e].double()
+                scale = block.abs().mean()
+                want[s:e] = torch.where(block < 0, -scale, scale)
+    torch.testing.assert_close(out.double(), want, rtol=1e-6, atol=0)
+    small = out[1500:1596].abs()
+    assert small.max() < 1e-2  # with blocks across the boundary it took the big tensor's scale

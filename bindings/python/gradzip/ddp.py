@@ -17,6 +17,7 @@ rounding).
 """
 
 import logging
+import math
 from typing import List, Optional
 
 import torch
@@ -259,9 +260,11 @@ def _bucket_layout(bucket, n: int):
     return (n, tuple(tuple(p.shape) for p in params))
 
 
-def _bucket_numels(bucket, n: int):
-    """Element counts of the bucket's tensors, in buffer order (one tensor if unknown)."""
-    numels = [p.numel() for p in bucket.parameters()] if hasattr(bucket, "parameters") else []
+def _layout_numels(layout):
+    """Element counts of a bucket's tensors, in buffer order, from its layout (one tensor if the
+    shapes are unknown)."""
+    n, shapes = layout
+    numels = [math.prod(s) for s in shapes]
     return numels if sum(numels) == n else [n]
 
 
@@ -285,14 +288,14 @@ def compress_hook(state: "CompressionState",
     n = buf.numel()
     cfg = state.config
     compressed = cfg.compresses(state.step, n, world) and world > 1
-    cuts = piece_cuts(cfg.plan, _bucket_numels(bucket, n))
+    layout = _bucket_layout(bucket, n)
+    cuts = piece_cuts(cfg.plan, _layout_numels(layout))
     state._stats.add(cfg.plan, n, world, rank, compressed, cuts)
     guard = state._guard
     if guard is not None and state._guard_step != state.step:
         state._commit()  # first bucket of a new step: the previous step is complete
 
-    st = cfg.bucket_state(state._ef, bucket.index(), _bucket_layout(bucket, n), n, world, rank,
-                          buf.device)
+    st = cfg.bucket_state(state._ef, bucket.index(), layout, n, world, rank, buf.device)
     # bf16/fp16 buckets are upcast for the codecs and the direction (the state is fp32)
     keep = buf.dtype == torch.float32 or (not compressed and cfg.direction is None)
     x = buf if keep else buf.float()

@@ -16,12 +16,10 @@
 #include <cstring>
 #include <string>
 
+#include "device_codec.hpp"
 #include "gradzip/gradzip.hpp"
 
 #if defined(GRADZIP_TORCH_CUDA)
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-
 #include "gradzip/cuda.hpp"
 #endif
 
@@ -29,17 +27,7 @@ namespace {
 
 using at::Tensor;
 
-// Runs f, translating gradzip::Error into the Python exception its status stands for.
-template <class F>
-auto guarded(const char* op, F&& f) -> decltype(f()) {
-  try {
-    return f();
-  } catch (const gradzip::Error& e) {
-    if (e.status() == gradzip::Status::cuda_error)
-      TORCH_CHECK(false, "gradzip.", op, ": ", e.what());
-    TORCH_CHECK_VALUE(false, "gradzip.", op, ": ", e.what());
-  }
-}
+using gradzip::torch_ext::guarded;
 
 gradzip::Codec parse(const char* op, const std::string& spec) {
   return guarded(op, [&] { return gradzip::Codec::parse(spec); });
@@ -96,12 +84,6 @@ Tensor workspace(const gradzip::Codec& codec, size_t n, const Tensor& like) {
   return at::empty({static_cast<int64_t>(ws)}, like.options().dtype(at::kByte));
 }
 
-#if defined(GRADZIP_TORCH_CUDA)
-cudaStream_t stream_of(const Tensor& t) {
-  return c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
-}
-#endif
-
 // ---- sizes and specs ----------------------------------------------------------------------------
 int64_t encoded_bytes(int64_t n, const std::string& spec) {
   TORCH_CHECK_VALUE(n >= 0, "gradzip.encoded_bytes: n must be >= 0, got ", n);
@@ -139,23 +121,8 @@ void encode_impl(const char* op, const Tensor& x, const Tensor* residual, const 
   const float* in = x.const_data_ptr<float>();
   float* res = residual ? residual->data_ptr<float>() : nullptr;
   guarded(op, [&] {
-#if defined(GRADZIP_TORCH_CUDA)
-    if (x.is_cuda()) {
-      const c10::cuda::CUDAGuard device(x.device());
-      const cudaStream_t s = stream_of(x);
-      if (res)
-        gradzip::cuda::encode_with_feedback(codec, in, res, n, bytes_ptr(out), need, s, ps,
-                                            ws.data_ptr(), ws.numel());
-      else
-        gradzip::cuda::encode(codec, in, n, bytes_ptr(out), need, s, ps, ws.data_ptr(),
-                              ws.numel());
-      return;
-    }
-#endif
-    if (res)
-      codec.encode_with_feedback(in, res, n, bytes_ptr(out), need, ps, ws.data_ptr(), ws.numel());
-    else
-      codec.encode(in, n, bytes_ptr(out), need, ps, ws.data_ptr(), ws.numel());
+    gradzip::torch_ext::encode_on(x.device(), codec, in, res, n, bytes_ptr(out), need, ps,
+                                  ws.data_ptr(), ws.numel());
   });
 }
 
@@ -227,23 +194,7 @@ void decode_impl(const char* op, const Tensor& payload, const Tensor& out, bool 
   const size_t bytes = static_cast<size_t>(payload.numel());
   const size_t n = static_cast<size_t>(out.numel());
   float* o = out.data_ptr<float>();
-  guarded(op, [&] {
-#if defined(GRADZIP_TORCH_CUDA)
-    if (payload.is_cuda()) {
-      const c10::cuda::CUDAGuard device(payload.device());
-      const cudaStream_t s = stream_of(payload);
-      if (add)
-        gradzip::cuda::decode_add(wire, bytes, o, n, s);
-      else
-        gradzip::cuda::decode(wire, bytes, o, n, s);
-      return;
-    }
-#endif
-    if (add)
-      gradzip::decode_add(wire, bytes, o, n);
-    else
-      gradzip::decode(wire, bytes, o, n);
-  });
+  guarded(op, [&] { gradzip::torch_ext::decode_on(payload.device(), wire, bytes, o, n, add); });
 }
 
 Tensor decode(const Tensor& payload, int64_t n) {

@@ -1,0 +1,201 @@
+#include "bucket_reduction.hpp"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+
+#include <algorithm>
+#include <numeric>
+
+#include "device_codec.hpp"
+
+namespace gradzip::torch_ext {
+namespace {
+
+bool block_scaled(CodecKind k) { return k == CodecKind::int8 || k == CodecKind::sign; }
+
+// Lengths of the pieces of [lo, hi) cut at the sorted bucket offsets `cuts`, none shorter than
+// kMinPiece (unless [lo, hi) is).
+std::vector<int64_t> piece_lengths(int64_t lo, int64_t hi, const std::vector<int64_t>& cuts) {
+  std::vector<int64_t> lens;
+  int64_t start = lo;
+  for (const int64_t c : cuts) {
+    if (c - start >= kMinPiece && hi - c >= kMinPiece) {
+      lens.push_back(c - start);
+      start = c;
+    }
+  }
+  lens.push_back(hi - start);
+  return lens;
+}
+
+int64_t slot_bytes(const Codec& codec, int64_t n) {
+  return static_cast<int64_t>(align16(codec.encoded_bytes(static_cast<size_t>(n))));
+}
+
+}  // namespace
+
+BucketLayout::BucketLayout(const Codec& codec, int64_t world_, const std::vector<int64_t>& numels)
+    : world(world_) {
+  TORCH_CHECK_VALUE(world >= 1, "gradzip: world size must be >= 1, got ", world);
+  TORCH_CHECK_VALUE(!numels.empty(), "gradzip: a bucket holds at least one tensor");
+  std::vector<int64_t> cuts;
+  for (const int64_t m : numels) {
+    TORCH_CHECK_VALUE(m >= 1, "gradzip: tensor sizes of a bucket must be >= 1, got ", m);
+    n += m;
+    cuts.push_back(n);
+  }
+  cuts.pop_back();  // interior boundaries only
+  two_phase = codec.kind() != CodecKind::topk;
+  if (!two_phase) {
+    slot = slot_bytes(codec, n);
+    return;
+  }
+  TORCH_CHECK_VALUE(n >= world, "gradzip: a bucket of ", n, " elements cannot be sharded over ",
+                    world, " ranks");
+  if (!block_scaled(codec.kind())) cuts.clear();
+  const int64_t base = n / world, extra = n % world;
+  starts.push_back(0);
+  for (int64_t j = 0; j < world; ++j) starts.push_back(starts.back() + base + (j < extra ? 1 : 0));
+  for (int64_t j = 0; j < world; ++j) {
+    pieces.push_back(piece_lengths(starts[j], starts[j + 1], cuts));
+    int64_t bytes = 0;
+    for (const int64_t m : pieces.back()) bytes += slot_bytes(codec, m);
+    shard_bytes.push_back(bytes);
+  }
+  slot = *std::max_element(shard_bytes.begin(), shard_bytes.end());
+}
+
+std::pair<int64_t, int64_t> BucketLayout::traffic(int64_t rank) const {
+  if (world == 1) return {0, 0};
+  if (!two_phase) return {(world - 1) * slot, (world - 1) * slot};
+  const int64_t all = std::accumulate(shard_bytes.begin(), shard_bytes.end(), int64_t{0});
+  const int64_t sent = all - shard_bytes[rank] + (world - 1) * slot;
+  const int64_t received = (world - 1) * shard_bytes[rank] + (world - 1) * slot;
+  return {sent, received};
+}
+
+int64_t fp32_traffic(int64_t n, int64_t world) { return 2 * (world - 1) * 4 * n / world; }
+
+BucketReduction::BucketReduction(const Codec& codec, int64_t world, int64_t rank,
+                                 const std::vector<int64_t>& numels,
+                                 const at::TensorOptions& device)
+    : codec_(codec), layout_(codec, world, numels), rank_(rank), device_(device.device()) {
+  TORCH_CHECK_VALUE(rank >= 0 && rank < world, "gradzip: rank ", rank, " outside [0, ", world, ")");
+  const auto bytes = device.dtype(at::kByte);
+  const int64_t w = layout_.world;
+  // Zeros: the padding between messages and of the all-gather slots is sent but never written.
+  size_t ws = 0, decodes = 0;
+  if (layout_.two_phase) {
+    for (const auto& p : layout_.pieces) {
+      for (const int64_t m : p) ws = std::max(ws, codec.workspace_bytes(static_cast<size_t>(m)));
+      decodes += p.size();
+    }
+    decodes += static_cast<size_t>(w) * layout_.pieces[rank].size();
+    send = at::zeros({std::accumulate(layout_.shard_bytes.begin(), layout_.shard_bytes.end(),
+                                      int64_t{0})},
+                     bytes);
+    send_splits = layout_.shard_bytes;
+    recv_splits.assign(static_cast<size_t>(w), layout_.shard_bytes[rank]);
+    recv = at::empty({w * layout_.shard_bytes[rank]}, bytes);
+    accumulator_ = at::empty({layout_.shard_size(rank)}, device.dtype(at::kFloat));
+  } else {
+    ws = codec.workspace_bytes(static_cast<size_t>(layout_.n));
+    decodes = static_cast<size_t>(w);
+  }
+  gather_in = at::zeros({layout_.slot}, bytes);
+  gathered = at::empty({w * layout_.slot}, bytes);
+  workspace_ = at::empty({static_cast<int64_t>(ws)}, bytes);
+  if (device_.is_cuda()) decode_status = at::zeros({static_cast<int64_t>(16 * decodes)}, bytes);
+}
+
+void BucketReduction::check_float(const char* name, const at::Tensor& t, int64_t numel) const {
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, "gradzip: ", name, " must be float32, got ",
+                   t.scalar_type());
+  TORCH_CHECK_VALUE(t.is_contiguous() && t.numel() == numel && t.device() == device_, "gradzip: ",
+                    name, " must be a contiguous tensor of ", numel, " elements on ", device_,
+                    ", got ", t.numel(), " on ", t.device());
+}
+
+void BucketReduction::encode_pieces(const float* x, float* residual, uint8_t* out,
+                                    const std::vector<int64_t>& lens, float prescale) {
+  for (const int64_t m : lens) {
+    const size_t e = codec_.encoded_bytes(static_cast<size_t>(m));
+    guarded("compressed_allreduce", [&] {
+      encode_on(device_, codec_, x, residual, static_cast<size_t>(m), out, e, prescale,
+                workspace_.data_ptr(), static_cast<size_t>(workspace_.numel()));
+    });
+    x += m;
+    if (residual) residual += m;
+    out += align16(e);
+  }
+}
+
+void BucketReduction::decode_pieces(const uint8_t* wire, float* out,
+                                    const std::vector<int64_t>& lens, bool add,
+                                    int64_t& status_index) {
+  for (const int64_t m : lens) {
+    const size_t e = codec_.encoded_bytes(static_cast<size_t>(m));
+    void* status = decode_status.defined()
+                       ? static_cast<uint8_t*>(decode_status.data_ptr()) + 16 * status_index++
+                       : nullptr;
+    guarded("compressed_allreduce",
+            [&] { decode_on(device_, wire, e, out, static_cast<size_t>(m), add, status); });
+    wire += align16(e);
+    out += m;
+  }
+}
+
+void BucketReduction::encode(const at::Tensor& x, const at::Tensor& residual) {
+  const int64_t n = layout_.n;
+  check_float("bucket", x, n);
+  if (residual.defined()) check_float("residual", residual, n);
+  const float* in = x.const_data_ptr<float>();
+  float* res = residual.defined() ? residual.data_ptr<float>() : nullptr;
+  const float prescale = 1.0f / static_cast<float>(layout_.world);
+  if (!layout_.two_phase) {
+    encode_pieces(in, res, gather_in.data_ptr<uint8_t>(), {n}, prescale);
+    return;
+  }
+  uint8_t* out = send.data_ptr<uint8_t>();
+  for (int64_t j = 0; j < layout_.world; ++j) {
+    const int64_t lo = layout_.starts[j];
+    encode_pieces(in + lo, res ? res + lo : nullptr, out, layout_.pieces[j], prescale);
+    out += layout_.shard_bytes[j];
+  }
+}
+
+void BucketReduction::reduce_owner(const at::Tensor& owner_residual) {
+  TORCH_CHECK(layout_.two_phase, "gradzip: reduce_owner is a phase of the two-phase codecs");
+  if (owner_residual.defined())
+    check_float("owner residual", owner_residual, layout_.shard_size(rank_));
+  accumulator_.zero_();
+  const auto& mine = layout_.pieces[rank_];
+  const int64_t bytes = layout_.shard_bytes[rank_];
+  int64_t status_index = 0;
+  for (int64_t i = 0; i < layout_.world; ++i)
+    decode_pieces(recv.const_data_ptr<uint8_t>() + i * bytes, accumulator_.data_ptr<float>(), mine,
+                  /*add=*/true, status_index);
+  encode_pieces(accumulator_.const_data_ptr<float>(),
+                owner_residual.defined() ? owner_residual.data_ptr<float>() : nullptr,
+                gather_in.data_ptr<uint8_t>(), mine, 1.0f);
+}
+
+void BucketReduction::decode(const at::Tensor& out) {
+  check_float("output", out, layout_.n);
+  float* o = out.data_ptr<float>();
+  const uint8_t* g = gathered.const_data_ptr<uint8_t>();
+  const int64_t w = layout_.world;
+  // After reduce_owner's decodes (two-phase), so that every status word of the step is kept.
+  int64_t status_index = layout_.two_phase ? w * static_cast<int64_t>(layout_.pieces[rank_].size()) : 0;
+  if (!layout_.two_phase) {
+    out.zero_();
+    for (int64_t j = 0; j < w; ++j)
+      decode_pieces(g + j * layout_.slot, o, {layout_.n}, /*add=*/true, status_index);
+    return;
+  }
+  for (int64_t j = 0; j < w; ++j)
+    decode_pieces(g + j * layout_.slot, o + layout_.starts[j], layout_.pieces[j], /*add=*/false,
+                  status_index);
+}
+
+}  // namespace gradzip::torch_ext

@@ -1,0 +1,99 @@
+// One rank's part of the compressed average of one flat float32 bucket, cut into the phases
+// between its collectives, so that a process group (compressed_allreduce.hpp) and W ranks simulated
+// in one process (gradzip.ddp.SimulatedWorkers) run exactly the same arithmetic on the same bytes.
+//
+// Two-phase codecs (fp32, fp16, bf16, int8, sign):
+//   encode        the bucket is cut into W shards; every shard is encoded (prescale 1/W, error
+//                 feedback into `residual`) into send, shard j for rank j;
+//   all-to-all    send -> recv: rank r receives the W encodings of its shard, in rank order;
+//   reduce_owner  decodes them in rank order, summing in fp32, and re-encodes the sum (its own
+//                 residual only where an optimizer direction is compressed) into gather_in;
+//   all-gather    gather_in -> gathered (W fixed-size slots);
+//   decode        every rank decodes every shard.
+// The casts use it too rather than a 16-bit all-reduce: the same bytes as a ring all-reduce
+// (2 (W-1)/W of the 16-bit buffer per rank), but summed in fp32 in a fixed order, so the sum
+// neither loses precision nor overflows as W grows and is bitwise identical on every rank and
+// backend.
+// Top-k: encode the whole bucket (prescale 1/W, error feedback) into gather_in; all-gather;
+// decode-add the W payloads in rank order into zeros.
+//
+// Block-scaled codecs (int8, sign) encode a shard as one message per tensor piece (the shard cut
+// at the bucket's tensor boundaries): no block mixes two tensors, whose gradient scales can differ
+// by orders of magnitude (the small tensor's error, fed back, would dominate its residual). Pieces
+// shorter than kMinPiece merge into a neighbour: there a 32-byte header costs more than a shared
+// scale. Messages follow each other in 16-byte aligned slots (the CUDA decoders' alignment).
+//
+// Workspaces are allocated once, at construction; a bucket whose layout changes needs a new object.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <utility>
+#include <vector>
+
+#include "gradzip/gradzip.hpp"
+
+namespace gradzip::torch_ext {
+
+constexpr int64_t kMinPiece = 64;
+
+// Where the bytes go: a pure function of the codec, W, n and the tensor sizes.
+struct BucketLayout {
+  BucketLayout(const Codec& codec, int64_t world, const std::vector<int64_t>& numels);
+
+  int64_t world = 1;
+  int64_t n = 0;
+  bool two_phase = true;
+  std::vector<int64_t> starts;               // W + 1 shard offsets (two-phase)
+  std::vector<std::vector<int64_t>> pieces;  // per shard, the lengths of its messages
+  std::vector<int64_t> shard_bytes;          // per shard, its messages' bytes
+  int64_t slot = 0;                          // bytes of one all-gather contribution
+
+  int64_t shard_size(int64_t rank) const { return starts[rank + 1] - starts[rank]; }
+  // Bytes one rank sends and receives for this bucket (an uncompressed bucket: see fp32_traffic).
+  std::pair<int64_t, int64_t> traffic(int64_t rank) const;
+};
+
+// Bytes each way of a ring all-reduce of n floats over W ranks, the uncompressed reference.
+int64_t fp32_traffic(int64_t n, int64_t world);
+
+class BucketReduction {
+ public:
+  BucketReduction(const Codec& codec, int64_t world, int64_t rank,
+                  const std::vector<int64_t>& numels, const at::TensorOptions& device);
+
+  const BucketLayout& layout() const { return layout_; }
+  bool two_phase() const { return layout_.two_phase; }
+  int64_t rank() const { return rank_; }
+
+  // x: this rank's float32 bucket (n, contiguous). residual: n floats, or undefined (no error
+  // feedback).
+  void encode(const at::Tensor& x, const at::Tensor& residual);
+  // owner_residual: shard_size(rank) floats, or undefined.
+  void reduce_owner(const at::Tensor& owner_residual);
+  // out: n floats (may be x).
+  void decode(const at::Tensor& out);
+
+  // The exchanged buffers (uint8). Two-phase: all-to-all send -> recv with the splits below, then
+  // all-gather gather_in -> gathered. Top-k: only the all-gather.
+  at::Tensor send, recv, gather_in, gathered;
+  std::vector<int64_t> send_splits, recv_splits;
+  // CUDA: one 16-byte status word per decode of the last step (gradzip::cuda::decode's
+  // asynchronous form); undefined on the CPU, where a corrupt message throws at once.
+  at::Tensor decode_status;
+
+ private:
+  void encode_pieces(const float* x, float* residual, uint8_t* out,
+                     const std::vector<int64_t>& lens, float prescale);
+  void decode_pieces(const uint8_t* wire, float* out, const std::vector<int64_t>& lens, bool add,
+                     int64_t& status_index);
+  void check_float(const char* name, const at::Tensor& t, int64_t numel) const;
+
+  Codec codec_;
+  BucketLayout layout_;
+  int64_t rank_;
+  c10::Device device_;
+  at::Tensor workspace_, accumulator_;
+};
+
+}  // namespace gradzip::torch_ext

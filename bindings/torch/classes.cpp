@@ -1,0 +1,96 @@
+// The compressed all-reduce as TorchScript classes (torch.classes.gradzip.*), for the Python hook
+// (gradzip.ddp) and its in-process simulation:
+//   CompressedAllreduce(group_name, codec, guard?)   over the registered process group of that name
+//   BucketReduction(codec, world, rank, numels)       one rank's phases, exchange done by the caller
+//   NonfiniteGuard()
+// and the layout's byte counts as ops (gradzip::bucket_traffic, gradzip::fp32_traffic).
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <optional>
+
+#include "compressed_allreduce.hpp"
+#include "device_codec.hpp"
+
+namespace gradzip::torch_ext {
+namespace {
+
+at::Tensor or_undefined(const std::optional<at::Tensor>& t) { return t.value_or(at::Tensor()); }
+
+Codec parse_spec(const std::string& spec) {
+  return guarded("compressed_allreduce", [&] { return Codec::parse(spec); });
+}
+
+// The exchange of a simulated reduction needs the buffers; the computation stays in C++.
+class PyBucketReduction : public torch::CustomClassHolder {
+ public:
+  PyBucketReduction(const std::string& spec, int64_t world, int64_t rank,
+                    const std::vector<int64_t>& numels, const at::Tensor& like)
+      : r(parse_spec(spec), world, rank, numels, like.options()) {}
+  BucketReduction r;
+};
+
+std::vector<int64_t> bucket_traffic(const std::string& spec, int64_t world, int64_t rank,
+                                    const std::vector<int64_t>& numels) {
+  const BucketLayout layout(parse_spec(spec), world, numels);
+  TORCH_CHECK_VALUE(rank >= 0 && rank < world, "gradzip: rank ", rank, " outside [0, ", world, ")");
+  const auto [sent, received] = layout.traffic(rank);
+  return {sent, received};
+}
+
+}  // namespace
+}  // namespace gradzip::torch_ext
+
+TORCH_LIBRARY_FRAGMENT(gradzip, m) {
+  using namespace gradzip::torch_ext;
+  m.class_<NonfiniteGuard>("NonfiniteGuard")
+      .def(torch::init<>())
+      .def("save", &NonfiniteGuard::save)
+      .def("flag", &NonfiniteGuard::flag)
+      .def("commit", &NonfiniteGuard::commit);
+
+  m.class_<CompressedAllreduce>("CompressedAllreduce")
+      .def(torch::init([](const std::string& group_name, const std::string& codec,
+                          const std::optional<c10::intrusive_ptr<NonfiniteGuard>>& guard) {
+        return c10::make_intrusive<CompressedAllreduce>(c10d::resolve_process_group(group_name),
+                                                        codec, guard.value_or(nullptr));
+      }))
+      .def("reduce",
+           [](const c10::intrusive_ptr<CompressedAllreduce>& self, int64_t index,
+              const at::Tensor& bucket, const at::Tensor& x, const std::vector<int64_t>& numels,
+              const std::optional<at::Tensor>& residual,
+              const std::optional<at::Tensor>& owner_residual, bool compress) -> c10::IValue {
+             return self->reduce(index, bucket, x, numels, or_undefined(residual),
+                                 or_undefined(owner_residual), compress);
+           })
+      .def("check_errors", &CompressedAllreduce::check_errors);
+
+  m.class_<PyBucketReduction>("BucketReduction")
+      .def(torch::init<std::string, int64_t, int64_t, std::vector<int64_t>, at::Tensor>())
+      .def("two_phase", [](const c10::intrusive_ptr<PyBucketReduction>& s) { return s->r.two_phase(); })
+      .def("encode",
+           [](const c10::intrusive_ptr<PyBucketReduction>& s, const at::Tensor& x,
+              const std::optional<at::Tensor>& residual) { s->r.encode(x, or_undefined(residual)); })
+      .def("reduce_owner",
+           [](const c10::intrusive_ptr<PyBucketReduction>& s,
+              const std::optional<at::Tensor>& owner_residual) {
+             s->r.reduce_owner(or_undefined(owner_residual));
+           })
+      .def("decode", [](const c10::intrusive_ptr<PyBucketReduction>& s,
+                        const at::Tensor& out) { s->r.decode(out); })
+      .def("send", [](const c10::intrusive_ptr<PyBucketReduction>& s) { return s->r.send; })
+      .def("recv", [](const c10::intrusive_ptr<PyBucketReduction>& s) { return s->r.recv; })
+      .def("send_splits", [](const c10::intrusive_ptr<PyBucketReduction>& s) { return s->r.send_splits; })
+      .def("gather_in", [](const c10::intrusive_ptr<PyBucketReduction>& s) { return s->r.gather_in; })
+      .def("gathered", [](const c10::intrusive_ptr<PyBucketReduction>& s) { return s->r.gathered; })
+      .def("shard", [](const c10::intrusive_ptr<PyBucketReduction>& s) {
+        const auto& l = s->r.layout();
+        const int64_t rank = s->r.rank();
+        return l.two_phase ? std::vector<int64_t>{l.starts[rank], l.shard_size(rank)}
+                           : std::vector<int64_t>{0, l.n};
+      });
+
+  m.def("bucket_traffic(str spec, int world, int rank, int[] numels) -> int[]", &bucket_traffic);
+  m.def("fp32_traffic(int n, int world) -> int", &fp32_traffic);
+}

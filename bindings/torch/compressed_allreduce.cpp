@@ -1,0 +1,167 @@
+#include "compressed_allreduce.hpp"
+
+#include <ATen/ops/empty.h>
+#include <c10/util/irange.h>
+
+#include <limits>
+
+#include "device_codec.hpp"
+
+#if defined(GRADZIP_TORCH_CUDA)
+#include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+namespace gradzip::torch_ext {
+
+CompressedAllreduce::CompressedAllreduce(c10::intrusive_ptr<c10d::ProcessGroup> group,
+                                         const std::string& codec,
+                                         c10::intrusive_ptr<NonfiniteGuard> guard)
+    : group_(std::move(group)),
+      codec_(guarded("compressed_allreduce", [&] { return Codec::parse(codec); })),
+      guard_(std::move(guard)) {
+  TORCH_CHECK_VALUE(group_, "gradzip: compressed_allreduce needs a process group");
+}
+
+CompressedAllreduce::~CompressedAllreduce() {
+  {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+  }
+  wake_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+void CompressedAllreduce::submit(std::function<void()> job) {
+  {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    if (!thread_.joinable()) thread_ = std::thread([this] { serve(); });
+    jobs_.push_back(std::move(job));
+  }
+  wake_.notify_one();
+}
+
+void CompressedAllreduce::serve() {
+  for (;;) {
+    std::function<void()> job;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      wake_.wait(lock, [this] { return stopping_ || !jobs_.empty(); });
+      if (jobs_.empty()) return;  // stopping, nothing left
+      job = std::move(jobs_.front());
+      jobs_.pop_front();
+    }
+    job();
+  }
+}
+
+std::shared_ptr<BucketReduction> CompressedAllreduce::bucket_reduction(
+    int64_t index, const std::vector<int64_t>& numels, const at::Tensor& x) {
+  auto& cached = buckets_[index];
+  if (!cached.reduction || cached.numels != numels ||
+      cached.reduction->gathered.device() != x.device())
+    cached = {numels, std::make_shared<BucketReduction>(codec_, world(), rank(), numels,
+                                                        x.options())};
+  return cached.reduction;
+}
+
+void CompressedAllreduce::allreduce_average(const at::Tensor& x) {
+  // As PyTorch's allreduce_hook: divide first (no overflow), then sum.
+  x.div_(static_cast<double>(world()));
+  std::vector<at::Tensor> tensors{x};
+  group_->allreduce(tensors)->wait();
+}
+
+void CompressedAllreduce::run(BucketReduction& r, const at::Tensor& x, const at::Tensor& residual,
+                              const at::Tensor& owner_residual) {
+  r.encode(x, residual);
+  if (r.two_phase()) {
+    group_->alltoall_base(r.recv, r.send, r.recv_splits, r.send_splits)->wait();
+    r.reduce_owner(owner_residual);
+  }
+  group_->_allgather_base(r.gathered, r.gather_in)->wait();
+  r.decode(x);
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> CompressedAllreduce::reduce(
+    int64_t index, const at::Tensor& bucket, const at::Tensor& x,
+    const std::vector<int64_t>& numels, const at::Tensor& residual,
+    const at::Tensor& owner_residual, bool compress) {
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat, "gradzip: the reduced values must be float32");
+  TORCH_CHECK_VALUE(x.is_contiguous() && bucket.numel() == x.numel() &&
+                        bucket.device() == x.device(),
+                    "gradzip: the bucket and its float32 values must match in size and device");
+  compress = compress && world() > 1;
+  std::shared_ptr<BucketReduction> r = compress ? bucket_reduction(index, numels, x) : nullptr;
+  const bool copy_back = !bucket.is_same(x);
+  std::vector<c10::Device> devices;
+  if (x.is_cuda()) devices.push_back(x.device());
+  auto future = c10::make_intrusive<c10::ivalue::Future>(
+      c10::ListType::create(c10::TensorType::get()), devices);
+
+  auto work = [this, r, bucket, x, residual, owner_residual, copy_back, future] {
+    try {
+      const at::NoGradGuard no_grad;
+      if (r)
+        run(*r, x, residual, owner_residual);
+      else
+        allreduce_average(x);
+      if (guard_) guard_->flag(x);
+      if (copy_back) bucket.copy_(x);
+      future->markCompleted(c10::IValue(c10::List<at::Tensor>({bucket})));
+    } catch (...) {
+      future->setError(std::current_exception());
+    }
+  };
+  if (!x.is_cuda()) {
+    submit(std::move(work));
+    return future;
+  }
+  work();
+#if defined(GRADZIP_TORCH_CUDA)
+  if (r && r->decode_status.defined() && !future->hasError()) {
+    // Device side: a rejected message leaves the bucket untouched, i.e. wrong; make it NaN.
+    const at::Tensor words = r->decode_status.view(at::kLong).view({-1, 2}).select(1, 0);
+    const at::Tensor bad = words.ne(0).any();
+    bucket.masked_fill_(bad, std::numeric_limits<float>::quiet_NaN());
+    // Host side: copy the status words out asynchronously; check_errors reads them once done.
+    at::Tensor host = at::empty(r->decode_status.sizes(),
+                                r->decode_status.options().device(at::kCPU).pinned_memory(true));
+    host.copy_(r->decode_status, /*non_blocking=*/true);
+    auto event = std::make_shared<at::cuda::CUDAEvent>();
+    event->record(c10::cuda::getCurrentCUDAStream(x.device().index()));
+    const std::lock_guard<std::mutex> lock(checks_mutex_);
+    pending_checks_.push_back([host, event, index] {
+      if (!event->query()) return false;
+      const auto* w = host.const_data_ptr<int64_t>();
+      for (int64_t i = 0; i < host.numel() / 8; i += 2)
+        TORCH_CHECK_VALUE(w[i] == 0, "gradzip: bucket ", index,
+                          ": a received message failed validation on the device (corrupt payload "
+                          "or size mismatch, status word ",
+                          w[i], "); its gradient was set to NaN");
+      return true;
+    });
+  }
+#endif
+  return future;
+}
+
+void CompressedAllreduce::check_errors() {
+  const std::lock_guard<std::mutex> lock(checks_mutex_);
+  auto& pending = pending_checks_;
+  for (size_t i = 0; i < pending.size();) {
+    bool done = false;
+    try {
+      done = pending[i]();
+    } catch (...) {
+      pending.erase(pending.begin() + static_cast<std::ptrdiff_t>(i));
+      throw;
+    }
+    if (done)
+      pending.erase(pending.begin() + static_cast<std::ptrdiff_t>(i));
+    else
+      ++i;
+  }
+}
+
+}  // namespace gradzip::torch_ext

@@ -1,0 +1,97 @@
+// The compressed average of DDP buckets over a c10d::ProcessGroup (Gloo, NCCL, any backend with
+// all-to-all and all-gather), usable from C++ without Python:
+//
+//   auto group = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, 2, options);
+//   gradzip::torch_ext::CompressedAllreduce reduce(group, "sign");
+//   at::Tensor residual = at::zeros_like(grad);
+//   reduce.reduce(0, grad, grad, {grad.numel()}, residual, {}, true)->wait();  // grad averaged
+//
+// One object per model (per process group). reduce() returns at once with a Future of the bucket
+// (a one-tensor list, as c10d's collectives); the bucket holds the average when it completes.
+//   * CPU tensors: the work runs on one thread of its own, bucket after bucket in call order, so that
+//     every rank issues its collectives in the same order (the backend matches them by order) and
+//     the caller (DDP's backward pass) is never blocked by communication.
+//   * CUDA tensors: everything is enqueued on the caller's current stream at once; a collective's
+//     wait() makes the stream wait for it (NCCL), the host does not. Decode errors leave a
+//     device-side status word: the bucket is filled with NaN on the device (GradScaler and the
+//     non-finite guard see it at once) and check_errors() raises the decoder's error once the
+//     stream has passed that point, without waiting for it.
+// Per-bucket buffers (BucketReduction) are allocated at a bucket's first call and reused while its
+// tensor sizes stay the same.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/custom_class.h>
+
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "bucket_reduction.hpp"
+#include "nonfinite_guard.hpp"
+
+namespace gradzip::torch_ext {
+
+class CompressedAllreduce : public torch::CustomClassHolder {
+ public:
+  // guard: records every reduced bucket's finiteness (see NonfiniteGuard), or null.
+  CompressedAllreduce(c10::intrusive_ptr<c10d::ProcessGroup> group, const std::string& codec,
+                      c10::intrusive_ptr<NonfiniteGuard> guard = {});
+  ~CompressedAllreduce() override;
+
+  // Averages `bucket` (a float tensor of any float dtype) over the group. `x`: the float32 values
+  // to reduce (the bucket itself, or its float32 copy / optimizer direction), overwritten with the
+  // average, which is then copied into `bucket` if they differ. `numels`: the sizes of the tensors
+  // the bucket holds, in order. `residual` (numel of x) / `owner_residual` (this rank's shard):
+  // error feedback, or undefined. compress = false: an fp32 all-reduce of x / W.
+  c10::intrusive_ptr<c10::ivalue::Future> reduce(int64_t index, const at::Tensor& bucket,
+                                                 const at::Tensor& x,
+                                                 const std::vector<int64_t>& numels,
+                                                 const at::Tensor& residual,
+                                                 const at::Tensor& owner_residual, bool compress);
+
+  // Raises the first decode error found since the last call (CUDA: among the decodes the stream
+  // has completed; later ones are checked at a later call). CPU errors reach the Future instead.
+  void check_errors();
+
+  int64_t world() const { return group_->getSize(); }
+  int64_t rank() const { return group_->getRank(); }
+  const Codec& codec() const { return codec_; }
+
+ private:
+  void run(BucketReduction& r, const at::Tensor& x, const at::Tensor& residual,
+           const at::Tensor& owner_residual);
+  void allreduce_average(const at::Tensor& x);
+  std::shared_ptr<BucketReduction> bucket_reduction(int64_t index, const std::vector<int64_t>& numels,
+                                                    const at::Tensor& x);
+  void submit(std::function<void()> job);
+  void serve();
+
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  Codec codec_;
+  c10::intrusive_ptr<NonfiniteGuard> guard_;
+  struct Cached {
+    std::vector<int64_t> numels;
+    std::shared_ptr<BucketReduction> reduction;
+  };
+  std::unordered_map<int64_t, Cached> buckets_;  // touched by the caller's thread only
+  // CUDA: one per reduced bucket, true once its decode status words were read (throws if bad).
+  std::vector<std::function<bool()>> pending_checks_;
+  std::mutex checks_mutex_;
+
+  // The CPU path's thread and its queue.
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::deque<std::function<void()>> jobs_;
+  bool stopping_ = false;
+  std::thread thread_;
+};
+
+}  // namespace gradzip::torch_ext

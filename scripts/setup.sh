@@ -21,6 +21,10 @@ fi
 req="$here/requirements.txt"
 hash=$(sha256sum "$req" | cut -c1-12)
 venv="${GRADZIP_VENV:-$HOME/.cache/gradzip/venv-$hash}"
+mkdir -p "$(dirname "$venv")"
+# Two setups at once (parallel checkouts) would delete each other's half-built venv: take turns.
+exec 9>"$venv.lock"
+flock 9
 if [[ ! -f "$venv/.complete" ]]; then
   echo "setup: creating Python venv $venv (first run downloads PyTorch, several GB)" >&2
   rm -rf "$venv"

@@ -53,9 +53,7 @@ BucketLayout::BucketLayout(const Codec& codec, int64_t world_, const std::vector
   TORCH_CHECK_VALUE(n >= world, "gradzip: a bucket of ", n, " elements cannot be sharded over ",
                     world, " ranks");
   if (!block_scaled(codec.kind())) cuts.clear();
-  const int64_t base = n / world, extra = n % world;
-  starts.push_back(0);
-  for (int64_t j = 0; j < world; ++j) starts.push_back(starts.back() + base + (j < extra ? 1 : 0));
+  starts = shard_starts(n, world);
   for (int64_t j = 0; j < world; ++j) {
     pieces.push_back(piece_lengths(starts[j], starts[j + 1], cuts));
     int64_t bytes = 0;
@@ -72,6 +70,15 @@ std::pair<int64_t, int64_t> BucketLayout::traffic(int64_t rank) const {
   const int64_t sent = all - shard_bytes[rank] + (world - 1) * slot;
   const int64_t received = (world - 1) * shard_bytes[rank] + (world - 1) * slot;
   return {sent, received};
+}
+
+std::vector<int64_t> shard_starts(int64_t n, int64_t world) {
+  TORCH_CHECK_VALUE(world >= 1 && n >= 0, "gradzip: cannot shard ", n, " elements over ", world,
+                    " ranks");
+  const int64_t base = n / world, extra = n % world;
+  std::vector<int64_t> starts{0};
+  for (int64_t j = 0; j < world; ++j) starts.push_back(starts.back() + base + (j < extra ? 1 : 0));
+  return starts;
 }
 
 int64_t fp32_traffic(int64_t n, int64_t world) { return 2 * (world - 1) * 4 * n / world; }

@@ -54,6 +54,10 @@ struct BucketLayout {
   std::pair<int64_t, int64_t> traffic(int64_t rank) const;
 };
 
+// Shard j of a two-phase bucket is [starts[j], starts[j + 1]): n // W + 1 elements for the first
+// n % W shards, n // W for the others (W + 1 offsets).
+std::vector<int64_t> shard_starts(int64_t n, int64_t world);
+
 // Bytes each way of a ring all-reduce of n floats over W ranks, the uncompressed reference.
 int64_t fp32_traffic(int64_t n, int64_t world);
 

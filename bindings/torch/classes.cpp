@@ -3,7 +3,7 @@
 //   CompressedAllreduce(group_name, codec, guard?)   over the registered process group of that name
 //   BucketReduction(codec, world, rank, numels)       one rank's phases, exchange done by the caller
 //   NonfiniteGuard()
-// and the layout's byte counts as ops (gradzip::bucket_traffic, gradzip::fp32_traffic).
+// and the layout's sizes as ops (gradzip::bucket_traffic, fp32_traffic, shard_starts).
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -93,4 +93,5 @@ TORCH_LIBRARY_FRAGMENT(gradzip, m) {
 
   m.def("bucket_traffic(str spec, int world, int rank, int[] numels) -> int[]", &bucket_traffic);
   m.def("fp32_traffic(int n, int world) -> int", &fp32_traffic);
+  m.def("shard_starts(int n, int world) -> int[]", &shard_starts);
 }

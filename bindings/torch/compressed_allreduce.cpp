@@ -25,31 +25,31 @@ CompressedAllreduce::CompressedAllreduce(c10::intrusive_ptr<c10d::ProcessGroup> 
 
 CompressedAllreduce::~CompressedAllreduce() {
   {
-    const std::lock_guard<std::mutex> lock(mutex_);
-    stopping_ = true;
+    const std::lock_guard<std::mutex> lock(queue_->mutex);
+    queue_->stopping = true;
   }
-  wake_.notify_all();
-  if (thread_.joinable()) thread_.join();
+  queue_->wake.notify_all();
+  if (thread_.joinable()) thread_.detach();  // it finishes the queued jobs, then exits
 }
 
 void CompressedAllreduce::submit(std::function<void()> job) {
   {
-    const std::lock_guard<std::mutex> lock(mutex_);
-    if (!thread_.joinable()) thread_ = std::thread([this] { serve(); });
-    jobs_.push_back(std::move(job));
+    const std::lock_guard<std::mutex> lock(queue_->mutex);
+    if (!thread_.joinable()) thread_ = std::thread([queue = queue_] { serve(queue); });
+    queue_->jobs.push_back(std::move(job));
   }
-  wake_.notify_one();
+  queue_->wake.notify_one();
 }
 
-void CompressedAllreduce::serve() {
+void CompressedAllreduce::serve(const std::shared_ptr<Queue>& queue) {
   for (;;) {
     std::function<void()> job;
     {
-      std::unique_lock<std::mutex> lock(mutex_);
-      wake_.wait(lock, [this] { return stopping_ || !jobs_.empty(); });
-      if (jobs_.empty()) return;  // stopping, nothing left
-      job = std::move(jobs_.front());
-      jobs_.pop_front();
+      std::unique_lock<std::mutex> lock(queue->mutex);
+      queue->wake.wait(lock, [&] { return queue->stopping || !queue->jobs.empty(); });
+      if (queue->jobs.empty()) return;  // stopping, nothing left
+      job = std::move(queue->jobs.front());
+      queue->jobs.pop_front();
     }
     job();
   }
@@ -65,29 +65,34 @@ std::shared_ptr<BucketReduction> CompressedAllreduce::bucket_reduction(
   return cached.reduction;
 }
 
-void CompressedAllreduce::allreduce_average(const at::Tensor& x) {
+namespace {
+
+void allreduce_average(c10d::ProcessGroup& group, const at::Tensor& x) {
   // As PyTorch's allreduce_hook: divide first (no overflow), then sum.
-  x.div_(static_cast<double>(world()));
+  x.div_(static_cast<double>(group.getSize()));
   std::vector<at::Tensor> tensors{x};
-  group_->allreduce(tensors)->wait();
+  group.allreduce(tensors)->wait();
 }
 
-void CompressedAllreduce::run(BucketReduction& r, const at::Tensor& x, const at::Tensor& residual,
-                              const at::Tensor& owner_residual) {
+void run(c10d::ProcessGroup& group, BucketReduction& r, const at::Tensor& x,
+         const at::Tensor& residual, const at::Tensor& owner_residual) {
   r.encode(x, residual);
   if (r.two_phase()) {
-    group_->alltoall_base(r.recv, r.send, r.recv_splits, r.send_splits)->wait();
+    group.alltoall_base(r.recv, r.send, r.recv_splits, r.send_splits)->wait();
     r.reduce_owner(owner_residual);
   }
-  group_->_allgather_base(r.gathered, r.gather_in)->wait();
+  group._allgather_base(r.gathered, r.gather_in)->wait();
   r.decode(x);
 }
+
+}  // namespace
 
 c10::intrusive_ptr<c10::ivalue::Future> CompressedAllreduce::reduce(
     int64_t index, const at::Tensor& bucket, const at::Tensor& x,
     const std::vector<int64_t>& numels, const at::Tensor& residual,
     const at::Tensor& owner_residual, bool compress) {
-  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat, "gradzip: the reduced values must be float32");
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat || !compress,
+                   "gradzip: the values to compress must be float32");
   TORCH_CHECK_VALUE(x.is_contiguous() && bucket.numel() == x.numel() &&
                         bucket.device() == x.device(),
                     "gradzip: the bucket and its float32 values must match in size and device");
@@ -99,14 +104,16 @@ c10::intrusive_ptr<c10::ivalue::Future> CompressedAllreduce::reduce(
   auto future = c10::make_intrusive<c10::ivalue::Future>(
       c10::ListType::create(c10::TensorType::get()), devices);
 
-  auto work = [this, r, bucket, x, residual, owner_residual, copy_back, future] {
+  // Captures no `this`: on the CPU path it may run after this object is gone.
+  auto work = [group = group_, guard = guard_, r, bucket, x, residual, owner_residual, copy_back,
+               future] {
     try {
       const at::NoGradGuard no_grad;
       if (r)
-        run(*r, x, residual, owner_residual);
+        run(*group, *r, x, residual, owner_residual);
       else
-        allreduce_average(x);
-      if (guard_) guard_->flag(x);
+        allreduce_average(*group, x);
+      if (guard) guard->flag(x);
       if (copy_back) bucket.copy_(x);
       future->markCompleted(c10::IValue(c10::List<at::Tensor>({bucket})));
     } catch (...) {

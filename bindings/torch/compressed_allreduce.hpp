@@ -47,7 +47,8 @@ class CompressedAllreduce : public torch::CustomClassHolder {
   ~CompressedAllreduce() override;
 
   // Averages `bucket` (a float tensor of any float dtype) over the group. `x`: the float32 values
-  // to reduce (the bucket itself, or its float32 copy / optimizer direction), overwritten with the
+  // to reduce (the bucket itself, or its float32 copy / optimizer direction; with compress = false
+  // any float dtype, e.g. the bf16 bucket itself), overwritten with the
   // average, which is then copied into `bucket` if they differ. `numels`: the sizes of the tensors
   // the bucket holds, in order. `residual` (numel of x) / `owner_residual` (this rank's shard):
   // error feedback, or undefined. compress = false: an fp32 all-reduce of x / W.
@@ -66,13 +67,20 @@ class CompressedAllreduce : public torch::CustomClassHolder {
   const Codec& codec() const { return codec_; }
 
  private:
-  void run(BucketReduction& r, const at::Tensor& x, const at::Tensor& residual,
-           const at::Tensor& owner_residual);
-  void allreduce_average(const at::Tensor& x);
+  // The CPU path's job queue, shared with its thread. The thread is detached, not joined, when the
+  // object goes: a finished job may still be releasing a Python callback of its Future (which takes
+  // the GIL) while the object is destroyed from Python (which holds it).
+  struct Queue {
+    std::mutex mutex;
+    std::condition_variable wake;
+    std::deque<std::function<void()>> jobs;
+    bool stopping = false;
+  };
+  static void serve(const std::shared_ptr<Queue>& queue);
+
   std::shared_ptr<BucketReduction> bucket_reduction(int64_t index, const std::vector<int64_t>& numels,
                                                     const at::Tensor& x);
   void submit(std::function<void()> job);
-  void serve();
 
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   Codec codec_;
@@ -86,12 +94,8 @@ class CompressedAllreduce : public torch::CustomClassHolder {
   std::vector<std::function<bool()>> pending_checks_;
   std::mutex checks_mutex_;
 
-  // The CPU path's thread and its queue.
-  std::mutex mutex_;
-  std::condition_variable wake_;
-  std::deque<std::function<void()>> jobs_;
-  bool stopping_ = false;
-  std::thread thread_;
+  std::shared_ptr<Queue> queue_ = std::make_shared<Queue>();
+  std::thread thread_;  // started by the first CPU job
 };
 
 }  // namespace gradzip::torch_ext

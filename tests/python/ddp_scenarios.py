@@ -48,15 +48,18 @@ def loss_fn(model, x, y):
 
 
 def recording_hook(records):
-    """compress_hook, also recording (step, bucket index, layout, local input, reduced output)."""
+    """compress_hook, also recording (step, bucket index, shapes, local input, reduced output,
+    parameter keys)."""
 
     def hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         inp = bucket.buffer().clone()
         key = (state.step, bucket.index(), tuple(tuple(p.shape) for p in bucket.parameters()))
+        # the hook's parameter numbering (its state follows each parameter across buckets)
+        params = tuple(k for k, _ in state._keys.layout(bucket, inp.numel())[1])
 
         def rec(fut):
             out = fut.value()
-            records.append((key, inp, out.clone()))
+            records.append((key, inp, out.clone(), params))
             return out
 
         return compress_hook(state, bucket).then(rec)

@@ -35,7 +35,7 @@ def check_replicas_and_reference(runs, codec, world, min_numel=32, warmup=0, opt
     sim = SimulatedWorkers(codec, world, min_compress_numel=min_numel, warmup_steps=warmup,
                            optimizer=opt)
     layouts = set()
-    for k, (key, _, out0) in enumerate(recs[0]):
+    for k, (key, _, out0, params) in enumerate(recs[0]):
         step, index, layout = key
         layouts.add((index, layout))
         for r in range(1, world):
@@ -44,7 +44,7 @@ def check_replicas_and_reference(runs, codec, world, min_numel=32, warmup=0, opt
         sim.step = step  # warm-up policy follows the hook's step count
         numels = [math.prod(shape) for shape in layout] or None  # the bucket's tensors
         expected = sim.reduce([recs[r][k][1] for r in range(world)], bucket_index=(index, layout),
-                              numels=numels)
+                              numels=numels, keys=params or None)
         if step < warmup or out0.numel() < max(min_numel, world):
             # plain fp32 all-reduce: the backend's summation order, equal to fp32 rounding
             torch.testing.assert_close(out0, expected, rtol=1e-6, atol=1e-7)

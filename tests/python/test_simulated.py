@@ -109,7 +109,7 @@ def test_stats_count_the_wire_bytes():
     assert st["bytes_sent"] == 3 * e(shard, "int8") + 3 * e(shard, "int8")
     assert st["raw_bytes"] == 2 * 3 * 4 * n // 4
     assert 3.5 < st["compression_ratio"] < 4.0
-    assert traffic(CodecPlan.parse("topk:0.01"), n, world, 0) == (3 * e(n, "topk:0.01"),) * 2
+    assert traffic(CodecPlan.parse("topk:0.01"), (n,), world, 0) == (3 * e(n, "topk:0.01"),) * 2
 
 
 def test_nonfinite_step_keeps_residuals():

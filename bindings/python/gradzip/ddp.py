@@ -5,33 +5,36 @@
 
 A drop-in for PyTorch's hooks (``default_hooks.allreduce_hook``, ``powerSGD_hook``): the hook
 returns a Future holding the bucket's averaged gradient (written in place into ``bucket.buffer()``).
-The collective follows the codec (see :mod:`gradzip.collective`): two-phase all-to-all /
+The reduction is C++ (``torch.classes.gradzip.CompressedAllreduce`` over the state's
+``c10d::ProcessGroup``, see bindings/torch/compressed_allreduce.hpp): two-phase all-to-all /
 all-gather with an fp32 sum for fp32/fp16/bf16/int8/sign, all-gather of fixed-size payloads for
-top-k. Collectives are asynchronous ``torch.distributed`` calls chained with ``then``, on whatever
-backend the process group has; nothing on the hot path synchronises with the host.
+top-k. This module keeps the policy (warm-up, small buckets, the optimizer direction) and the state
+(:mod:`gradzip.collective`).
 
-:class:`SimulatedWorkers` runs the same algorithm for W workers in one process, with exactly the
-same arithmetic: its result equals the multi-rank hook's bit for bit (warm-up and small buckets,
+:class:`SimulatedWorkers` runs the same C++ phases for W workers in one process, the collectives
+done in memory: its result equals the multi-rank hook's bit for bit (warm-up and small buckets,
 which go through a plain fp32 all-reduce whose summation order is the backend's, match to fp32
 rounding).
 """
 
 import logging
-import math
+import os
 from typing import List, Optional
 
 import torch
 import torch.distributed as dist
 
-from .collective import (CodecPlan, DistExchange, NonfiniteGuard, Sequencer, StateStore, drive_async,
-                         piece_cuts, reduce_bucket, run_simulated, shard_bounds, traffic)
+from . import _ops  # noqa: F401  (loads the extension that defines torch.classes.gradzip)
+from .collective import CodecPlan, StateStore, layout_numels, run_simulated, shard_bounds, traffic
 
 __all__ = ["CompressionState", "compress_hook", "SimulatedWorkers"]
 
 logger = logging.getLogger(__name__)
 
 _FINGERPRINT_BYTES = 256
-_STATE_VERSION = 2  # 2: optimizer moments added; owner residual only for optimizer directions
+# 3: state kept per bucket but described per parameter (key and shape), so that it survives a
+#    re-bucketing; owner residuals carry their shard offset.
+_STATE_VERSION = 3
 
 
 class _Config:
@@ -67,29 +70,39 @@ class _Config:
 
     def compresses(self, step: int, n: int, world: int) -> bool:
         # n >= world: every shard of a two-phase bucket holds at least one element.
-        return step >= self.warmup_steps and n >= max(self.min_compress_numel, world, 1)
+        return world > 1 and step >= self.warmup_steps and n >= max(self.min_compress_numel, world, 1)
 
     @property
     def keeps_state(self) -> bool:
         return self.error_feedback or self.direction is not None
 
-    def bucket_state(self, store: StateStore, index: int, layout, n: int, world: int, rank: int,
-                     device):
+    def new_guard(self):
+        """A C++ NonfiniteGuard where there is state to protect, else None."""
+        return torch.classes.gradzip.NonfiniteGuard() if self.guard_nonfinite and self.keeps_state \
+            else None
+
+    def bucket_state(self, store: StateStore, index: int, layout, world: int, rank: int, device):
         """This rank's state of one bucket, or None when it keeps none."""
         moments = 0 if self.direction is None else self.direction.buffers
         if not self.error_feedback and not moments:
             return None
-        owner_n = None
+        owner = None
         if self.error_feedback and self.plan.two_phase and self.direction is not None:
-            bounds = shard_bounds(n, world)
-            owner_n = bounds[rank + 1] - bounds[rank]
-        return store.get(index, layout, n, self.error_feedback, owner_n, moments, device)
+            # The owner's second residual on the reduced shard: measured to help only where an
+            # optimizer direction is compressed (on raw gradients it compounds the two errors).
+            bounds = shard_bounds(layout[0], world)
+            owner = (bounds[rank], bounds[rank + 1] - bounds[rank])
+        return store.get(index, layout, self.error_feedback, owner, moments, device)
 
     def apply_direction(self, x: torch.Tensor, st) -> None:
         """Turns this rank's gradient ``x`` into its optimizer direction, in place."""
         if self.direction is not None:
             st.updates += 1
             self.direction.apply_(x, st.moments, st.updates)
+
+
+def _saved(st) -> list:
+    return [] if st is None else [t for t in st.tensors() if t is not None]
 
 
 class _Stats:
@@ -106,9 +119,10 @@ class _Stats:
         return {"bytes_sent": 0, "bytes_received": 0, "raw_bytes": 0, "buckets": 0,
                 "compressed_buckets": 0}
 
-    def add(self, plan, n, world, rank, compressed, cuts=()):
-        sent, received = traffic(plan if compressed else None, n, world, rank, cuts)
-        raw, _ = traffic(None, n, world, rank)
+    def add(self, plan, numels, world, rank, compressed):
+        numels = tuple(numels)
+        sent, received = traffic(plan if compressed else None, numels, world, rank)
+        raw, _ = traffic(None, numels, world, rank)
         a = self._acc
         a["bytes_sent"] += sent
         a["bytes_received"] += received
@@ -129,8 +143,8 @@ class CompressionState:
     Args:
         codec: codec spec, e.g. ``"int8"``, ``"sign:block=1024"``, ``"topk:0.01"``, ``"bf16"``.
         process_group: the group to reduce over (None: the default group).
-        error_feedback: keep per-bucket residuals (``c = g + e; e = c - decode(encode(c))``).
-        warmup_steps: the first steps run uncompressed (plain fp32 all-reduce average).
+        error_feedback: keep residuals (``c = g + e; e = c - decode(encode(c))``).
+        warmup_steps: the first steps run uncompressed (plain all-reduce average).
         min_compress_numel: buckets with fewer elements run uncompressed (DDP's first bucket after
             the rebuild is small; headers and latency dominate there).
         guard_nonfinite: when any reduced bucket of a step holds Inf/NaN (an AMP overflow step,
@@ -139,27 +153,31 @@ class CompressionState:
             the next step's first hook call or by ``state_dict()``, on the device, without a host
             synchronisation.
         optimizer: a gradzip.optim optimizer (CompressedAdamW, CompressedSGD): the hook then turns
-            each rank's gradient into that optimizer's direction (its moments kept here, per
-            bucket, with the residuals) and averages the direction, which ``optimizer.step()``
-            applies. None: the gradient itself is compressed (for torch's optimizers).
+            each rank's gradient into that optimizer's direction (its moments kept here, with the
+            residuals) and averages the direction, which ``optimizer.step()`` applies. None: the
+            gradient itself is compressed (for torch's optimizers).
 
     The first hook call checks, with one small all-gather, that every rank uses the same
     configuration, and raises ``ValueError`` on all ranks naming the difference (instead of hanging
     in mismatched collectives). ``stats`` holds the last step's traffic; ``state_dict()`` /
-    ``load_state_dict()`` carry the residuals and the step count. The state pickles without its
-    process group (restored as the default group), as PowerSGDState does.
+    ``load_state_dict()`` carry the residuals, moments and the step count. The state pickles without
+    its process group (restored as the default group), as PowerSGDState does.
 
-    Residuals are keyed by bucket index and checked against the bucket's layout (element count and
-    parameter shapes, in bucket order: DDP's rebuild after the first iteration can keep a bucket's
-    size and reverse its parameters). On a mismatch they restart from zero. A resumed run
-    therefore reproduces the uninterrupted one exactly when its buckets have the saved layout, e.g.
-    with ``find_unused_parameters=True`` (DDP never rebuilds); with a rebuild, the resumed run's
-    first iterations (DDP's initial layout) start from zero residuals.
+    State is kept per bucket and described per parameter: parameters are numbered in the order the
+    hook first sees them (the same in every process that builds the same model and DDP
+    configuration). When DDP rebuilds its buckets after the first iteration, or a checkpoint of
+    another bucket layout is loaded, each parameter's residuals and moments move with it. A resumed
+    run whose first iteration puts in one bucket the parameters that the checkpoint holds in several
+    reduces them as the saved buckets, as the uninterrupted run did, so resume is exact.
 
-    Two-phase codecs issue their second collective from the first one's completion callback, on a
-    second process group created (with ``use_local_synchronization``) at the first hook call, in
-    bucket order on every rank (see ``collective.Sequencer``). Residuals are in the units of the
-    gradient the hook sees: with AMP they include GradScaler's scale.
+    Collectives run in C++: on CUDA tensors on the state's process group, enqueued on the current
+    stream at the hook call, without
+    host synchronisation (a corrupt message makes the bucket NaN on the device and raises at the
+    next step's first hook call or ``state_dict()``); on CPU tensors on one thread of the state's
+    own, bucket after bucket, overlapping the backward pass, on a process group of its own (same
+    ranks and backend, created at the first hook call), since DDP issues collectives of its own
+    meanwhile. Residuals are in the units of the gradient the hook sees: with AMP they include
+    GradScaler's scale.
     """
 
     def __init__(self, codec: str, process_group=None, error_feedback: bool = True,
@@ -171,11 +189,13 @@ class CompressionState:
         self.step = 0
         self._ef = StateStore()
         self._stats = _Stats()
-        self._runtime = None  # DistExchange, built at the first hook call
-        self._guard = NonfiniteGuard() if guard_nonfinite and self.config.keeps_state else None
+        self._runtime = None  # torch.classes.gradzip.CompressedAllreduce, built at the first call
+        self._guard = self.config.new_guard()
+        self._guard_step = 0  # the step whose residual updates the guard holds
+        self._keys = _ParameterKeys()
+        self._resumed_step = None  # the step a checkpoint was loaded at (see _reduce_as_saved)
         if optimizer is not None:
             optimizer.attached = True
-        self._guard_step = 0  # the step whose residual updates the guard holds
 
     # -- public ---------------------------------------------------------------------------------
     @property
@@ -193,48 +213,60 @@ class CompressionState:
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("version") != _STATE_VERSION:
-            raise ValueError(f"gradzip: unsupported CompressionState version {state.get('version')}")
+            raise ValueError(f"gradzip: unsupported CompressionState version {state.get('version')}"
+                             f" (this gradzip reads version {_STATE_VERSION})")
         if state["codec"] != self.config.codec:
             raise ValueError(f"gradzip: checkpoint was saved with codec {state['codec']!r}, "
                              f"this state uses {self.config.codec!r}")
         self._commit()
         self.step = int(state["step"])
         self._ef.load_state_dict(state["residuals"])
+        self._resumed_step = self.step
 
-    # -- pickling without the process group (PowerSGD, PR #79334) -------------------------------
+    # -- pickling without the process group (as PowerSGDState) ----------------------------------
     def __getstate__(self):
         self._commit()
         d = dict(self.__dict__)
         d["process_group"] = None
         d["_runtime"] = None
+        d["_guard"] = None  # C++ objects; the guard holds nothing between steps after a commit
         return d
 
     def __setstate__(self, d):
         self.__dict__.update(d)
+        self._guard = self.config.new_guard()
+        self._guard_step = self.step
         logger.info("gradzip: CompressionState unpickled; process_group set to the default group")
 
     # -- internals --------------------------------------------------------------------------------
     def _commit(self) -> None:
-        """Settles the residual updates of the finished step (all its buckets are reduced: DDP
-        waited for their futures before the next forward)."""
+        """Settles the finished step (all its buckets are reduced: DDP waited for their futures
+        before the next forward): restores the state if a bucket was not finite, and raises a decode
+        error the device has reported."""
         if self._guard is not None:
             self._guard.commit()
-            self._guard_step = self.step
+        self._guard_step = self.step
+        if self._runtime is not None:
+            self._runtime.check_errors()
 
     def _group(self):
         return self.process_group if self.process_group is not None else dist.group.WORLD
 
-    def _setup(self, device) -> DistExchange:
+    def _setup(self, device):
         if self._runtime is None:
             group = self._group()
             self._check_config(group, device)
-            group2 = None
-            if self.config.plan.two_phase and group.size() > 1:
-                # Second collectives of two-phase buckets go on their own group (see Sequencer).
-                group2 = dist.new_group(dist.get_process_group_ranks(group),
-                                        backend=dist.get_backend(group),
-                                        use_local_synchronization=True)
-            self._runtime = DistExchange(group, group2, Sequencer())
+            reducing = group
+            if torch.device(device).type == "cpu" and group.size() > 1:
+                # CPU reductions run on a C++ thread of their own while DDP's thread issues its own
+                # collectives (the unused-parameter bitmap, buffer broadcasts) on `group`: a group
+                # of their own keeps every group's calls in one order on all ranks.
+                reducing = dist.new_group(dist.get_process_group_ranks(group),
+                                          backend=dist.get_backend(group),
+                                          use_local_synchronization=True)
+            self._runtime = torch.classes.gradzip.CompressedAllreduce(
+                reducing.group_name, self.config.codec, self._guard)
+            self._world, self._rank = group.size(), group.rank()
         return self._runtime
 
     def _check_config(self, group, device) -> None:
@@ -254,25 +286,31 @@ class CompressionState:
             raise ValueError("gradzip.ddp: ranks are configured differently, refusing to reduce "
                              f"(every rank must use the same CompressionState settings): {listing}")
 
-
-def _bucket_layout(bucket, n: int):
-    params = bucket.parameters() if hasattr(bucket, "parameters") else []
-    return (n, tuple(tuple(p.shape) for p in params))
-
-
-def _layout_numels(layout):
-    """Element counts of a bucket's tensors, in buffer order, from its layout (one tensor if the
-    shapes are unknown)."""
-    n, shapes = layout
-    numels = [math.prod(s) for s in shapes]
-    return numels if sum(numels) == n else [n]
+    def _reduce(self, index, bucket_view, x, layout, st, compressed):
+        """Enqueues one reduction of ``x`` (the bucket's float32 values) in C++; returns its Future."""
+        cfg = self.config
+        self._stats.add(cfg.plan, layout_numels(layout), self._world, self._rank, compressed)
+        if self._guard is not None:
+            self._guard.save(_saved(st))  # before any update: an overflow step undoes all
+        cfg.apply_direction(x, st)
+        return self._runtime.reduce(index, bucket_view, x, layout_numels(layout),
+                                    None if st is None else st.residual,
+                                    None if st is None else st.owner_residual, compressed)
 
 
-def _allreduce_average(tensor: torch.Tensor, group) -> torch.futures.Future[torch.Tensor]:
-    """PyTorch's allreduce_hook: divide first (no overflow), sum; fp32."""
-    tensor.div_(group.size())
-    return dist.all_reduce(tensor, group=group, async_op=True).get_future().then(
-        lambda fut: fut.value()[0])
+class _ParameterKeys:
+    """Numbers parameters in the order the hook first sees them. The numbering is rebuilt in each
+    new process (an unpickled state sees the model again from DDP's first iteration)."""
+
+    def __init__(self):
+        self._pid, self._keys = os.getpid(), {}
+
+    def layout(self, bucket, n: int):
+        if self._pid != os.getpid():
+            self._pid, self._keys = os.getpid(), {}
+        params = bucket.parameters() if hasattr(bucket, "parameters") else []
+        keys = [self._keys.setdefault(id(p), len(self._keys)) for p in params]
+        return (n, tuple((k, tuple(p.shape)) for k, p in zip(keys, params)))
 
 
 def compress_hook(state: "CompressionState",
@@ -282,51 +320,73 @@ def compress_hook(state: "CompressionState",
     ``ddp_model.register_comm_hook(state, compress_hook)``. Returns a Future of the bucket buffer,
     reduced in place (DDP does not divide by the world size once a hook is registered: this does)."""
     buf = bucket.buffer()
-    exchange = state._setup(buf.device)
-    group = exchange.group
-    world, rank = group.size(), group.rank()
-    n = buf.numel()
-    cfg = state.config
-    compressed = cfg.compresses(state.step, n, world) and world > 1
-    layout = _bucket_layout(bucket, n)
-    cuts = piece_cuts(cfg.plan, _layout_numels(layout))
-    state._stats.add(cfg.plan, n, world, rank, compressed, cuts)
-    guard = state._guard
-    if guard is not None and state._guard_step != state.step:
+    runtime = state._setup(buf.device)
+    if state._guard_step != state.step:
         state._commit()  # first bucket of a new step: the previous step is complete
-
-    st = cfg.bucket_state(state._ef, bucket.index(), layout, n, world, rank, buf.device)
-    # bf16/fp16 buckets are upcast for the codecs and the direction (the state is fp32)
-    keep = buf.dtype == torch.float32 or (not compressed and cfg.direction is None)
-    x = buf if keep else buf.float()
-    if guard is not None and st is not None:
-        guard.save(st.tensors(), st.backups())  # before any update: an overflow step undoes all
-    cfg.apply_direction(x, st)
-    if not compressed:
-        fut = _allreduce_average(x, group)
-        if guard is not None:  # an overflow in an uncompressed bucket also voids the step
-            def flag(f):
-                guard.flag(f.value())
-                return f.value()
-            fut = fut.then(flag)
+    cfg, world, rank = state.config, state._world, state._rank
+    layout = state._keys.layout(bucket, buf.numel())
+    resuming = cfg.keeps_state and state._resumed_step == state.step
+    cover = state._ef.covering(layout) if resuming else None
+    if cover is None:
+        compressed = cfg.compresses(state.step, buf.numel(), world)
+        st = cfg.bucket_state(state._ef, bucket.index(), layout, world, rank, buf.device)
+        # bf16/fp16 buckets are upcast for the codecs and the direction (the state is fp32)
+        keep = buf.dtype == torch.float32 or (not compressed and cfg.direction is None)
+        x = buf if keep else buf.float()
+        fut = state._reduce(bucket.index(), buf, x, layout, st, compressed)
     else:
-        result = torch.futures.Future(devices=[buf.device]) if buf.is_cuda else torch.futures.Future()
-        ticket = exchange.sequencer.reserve() if cfg.plan.two_phase else None
-        drive_async(reduce_bucket(cfg.plan, world, rank, x, st, x, guard, cuts), exchange, result,
-                    ticket)
-        fut = result
-    if x is not buf:
-        fut = fut.then(lambda f: buf.copy_(f.value()))
-
+        fut = _reduce_as_saved(state, buf, layout, cover)
     if bucket.is_last():
         state._stats.end_step(state.step)
         state.step += 1
-    return fut
+    # DDP reads a Python value from the hook's Future (as allreduce_hook's `then`).
+    return fut.then(lambda f: f.value()[0])
+
+
+def _reduce_as_saved(state, buf, layout, cover):
+    """Reduces ``buf`` as the stored buckets ``cover`` that hold its parameters (a resumed run's
+    first iteration), each on a gathered copy, and scatters the averages back."""
+    cfg, world, rank = state.config, state._world, state._rank
+    x = buf.float() if buf.dtype != torch.float32 else buf
+    where = {key: off for key, off in _offsets(layout).items()}
+    parts, futs = [], []
+    for i in cover:
+        saved = state._ef.buckets[i].layout
+        index = torch.cat([torch.arange(where[k], where[k] + _numel(s)) for k, s in saved[1]])
+        index = index.to(buf.device)
+        part = x.index_select(0, index)
+        st = cfg.bucket_state(state._ef, i, saved, world, rank, buf.device)
+        futs.append(state._reduce(i, part, part, saved, st, cfg.compresses(state.step, saved[0], world)))
+        parts.append((index, part))
+
+    def scatter(_):
+        for index, part in parts:
+            x.index_copy_(0, index, part)
+        if x is not buf:
+            buf.copy_(x)
+        return [buf]
+
+    return torch.futures.collect_all(futs).then(scatter)
+
+
+def _numel(shape) -> int:
+    out = 1
+    for s in shape:
+        out *= int(s)
+    return out
+
+
+def _offsets(layout) -> dict:
+    out, off = {}, 0
+    for key, shape in layout[1]:
+        out[key] = off
+        off += _numel(shape)
+    return out
 
 
 class SimulatedWorkers:
     """W workers in one process, each with its own error-feedback state, reduced with exactly the
-    arithmetic of :func:`compress_hook` (the same algorithm code; the collectives done in memory).
+    arithmetic of :func:`compress_hook` (the same C++ phases; the collectives done in memory).
 
         sim = SimulatedWorkers("int8", world_size=4)
         avg = sim.reduce([g0, g1, g2, g3])   # what every rank's bucket holds after the hook
@@ -350,8 +410,8 @@ class SimulatedWorkers:
         self.step = 0
         self._ef = [StateStore() for _ in range(self.world_size)]
         self._stats = _Stats()
-        use_guard = self.config.guard_nonfinite and self.config.keeps_state
-        self._guards = [NonfiniteGuard() if use_guard else None for _ in range(self.world_size)]
+        self._guards = [self.config.new_guard() for _ in range(self.world_size)]
+        self._reductions = {}  # (bucket_index, numels, device) -> one BucketReduction per rank
         if optimizer is not None:
             optimizer.attached = True
 
@@ -370,9 +430,11 @@ class SimulatedWorkers:
                 for t in (st.residual, st.owner_residual) if t is not None]
 
     def reduce(self, grads: List[torch.Tensor], bucket_index=0, is_last: bool = True,
-               numels: Optional[List[int]] = None) -> torch.Tensor:
+               numels: Optional[List[int]] = None, keys: Optional[list] = None) -> torch.Tensor:
         """``numels``: the element counts of the tensors the bucket holds, in order (as DDP's
-        ``bucket.parameters()``); block-scaled codecs restart their blocks at each boundary."""
+        ``bucket.parameters()``); block-scaled codecs restart their blocks at each boundary.
+        ``keys``: one hashable per tensor naming its parameter, for buckets whose parameters move
+        (the state follows the parameter, as in the hook); default ``(bucket_index, i)``."""
         world = self.world_size
         if len(grads) != world:
             raise ValueError(f"gradzip: expected {world} gradients, got {len(grads)}")
@@ -386,35 +448,45 @@ class SimulatedWorkers:
         numels = [n] if numels is None else [int(m) for m in numels]
         if sum(numels) != n or any(m < 1 for m in numels):
             raise ValueError(f"gradzip: numels {numels} do not partition the {n} elements")
-        layout = (n, tuple((m,) for m in numels) if len(numels) > 1 else ())
-        cuts = piece_cuts(cfg.plan, numels)
-        compressed = cfg.compresses(self.step, n, world) and world > 1
-        self._stats.add(cfg.plan, n, world, 0, compressed, cuts)
-        states = [cfg.bucket_state(self._ef[r], bucket_index, layout, n, world, r, flats[r].device)
+        keys = [(bucket_index, i) for i in range(len(numels))] if keys is None else list(keys)
+        if len(keys) != len(numels) or len(set(keys)) != len(keys):
+            raise ValueError(f"gradzip: keys must name each of the {len(numels)} tensors once")
+        layout = (n, tuple((k, (m,)) for k, m in zip(keys, numels)))
+        compressed = cfg.compresses(self.step, n, world)
+        self._stats.add(cfg.plan, numels, world, 0, compressed)
+        states = [cfg.bucket_state(self._ef[r], bucket_index, layout, world, r, flats[r].device)
                   for r in range(world)]
         for r in range(world):
-            if self._guards[r] is not None and states[r] is not None:
-                self._guards[r].save(states[r].tensors(), states[r].backups())
+            if self._guards[r] is not None:
+                self._guards[r].save(_saved(states[r]))
             cfg.apply_direction(flats[r], states[r])
         if not compressed:
             out = torch.zeros_like(flats[0])
             for f in flats:
                 out += f / world
-            for g in self._guards:
-                if g is not None:
-                    g.flag(out)
+            outs = [out] * world
         else:
             outs = [torch.empty_like(f) for f in flats]
-            run_simulated([reduce_bucket(cfg.plan, world, r, flats[r], states[r], outs[r],
-                                         self._guards[r], cuts) for r in range(world)])
-            out = outs[0]
+            run_simulated(self._bucket_reductions(bucket_index, numels, flats[0]), flats, states, outs)
+        for g, o in zip(self._guards, outs):
+            if g is not None:
+                g.flag(o)
         if is_last:
             for g in self._guards:
                 if g is not None:
                     g.commit()
             self._stats.end_step(self.step)
             self.step += 1
-        return out
+        return outs[0]
+
+    def _bucket_reductions(self, index, numels, like):
+        key = (index, tuple(numels), like.device)
+        if key not in self._reductions:
+            self._reductions[key] = [
+                torch.classes.gradzip.BucketReduction(self.config.codec, self.world_size, r,
+                                                      list(numels), like)
+                for r in range(self.world_size)]
+        return self._reductions[key]
 
     def state_dict(self) -> dict:
         return {"version": _STATE_VERSION, "codec": self.config.codec, "step": self.step,

@@ -11,21 +11,17 @@ simulated workers (one rank per worker; Gloo on CPU, NCCL on GPU).
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
-import os
-import shutil
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from . import report
-from .provenance import environment
+from .._extras import require
+from .output import Progress, clear_results, summarise, write_suite_json
 from .suites import SUITES, get_suite
-from .training import (RunConfig, RunFiles, data_key, load_data, read_jsonl, setup_process,
-                       train_simulated)
+from .training import RunConfig, RunFiles, data_key, load_data, setup_process, train_simulated
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -77,37 +73,6 @@ def select(configs: list[RunConfig], codecs: str | None) -> list[RunConfig]:
 def with_seeds(configs: list[RunConfig], n: int) -> list[RunConfig]:
     """Every run for the seeds S..S+n-1 (S: the runs' seed), in table order: run by run."""
     return [replace(c, seed=c.seed + i) for c in configs for i in range(n)]
-
-
-class Progress:
-    def __init__(self, cfg: RunConfig, quiet: bool):
-        from tqdm import tqdm
-
-        self.bar = tqdm(total=cfg.steps, desc=f"{cfg.name:>14} s{cfg.seed}", unit="step",
-                        disable=quiet,
-                        dynamic_ncols=True, file=sys.stderr)
-
-    def __call__(self, step: int, loss: float) -> None:
-        self.bar.n = step
-        self.bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
-        self.bar.refresh()
-
-    def close(self) -> None:
-        self.bar.close()
-
-
-def clear_results(out: Path) -> None:
-    """Everything but the cached scenes (out/data), which are keyed by what they depend on."""
-    shutil.rmtree(out / "runs", ignore_errors=True)
-    shutil.rmtree(out / "checkpoints", ignore_errors=True)
-    for name in ("steps.jsonl", "evals.jsonl"):
-        (out / name).unlink(missing_ok=True)
-
-
-def write_suite_json(out: Path, suite, device: torch.device, args) -> None:
-    (out / "suite.json").write_text(json.dumps(
-        {"suite": suite.name, "device": str(device), "argv": args.argv, "seeds": args.seeds,
-         "jobs": args.jobs, "cpus": os.cpu_count(), "environment": environment()}, indent=1))
 
 
 _data: dict = {}  # this process's data set by data_key, one at a time (4k scenes are 0.5 GB)
@@ -165,6 +130,8 @@ def main(argv=None) -> int:
     if args.ddp and args.jobs != 1:
         raise SystemExit("--jobs does not apply to --ddp (torchrun starts one process per rank)")
     args.argv = sys.argv[1:] if argv is None else list(argv)
+    require("tqdm", "converge")  # the progress bars and the plots: if missing, fail before training
+    require("matplotlib", "converge")
     suite = get_suite(args.suite)
     configs = with_seeds(select(suite.configs(**overrides(args)), args.codecs), args.seeds)
     device = torch.device(args.device or suite.device)
@@ -182,20 +149,3 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     write_suite_json(out, suite, device, args)
     return summarise(out, suite.name, configs, run_all(configs, out, device, args))
-
-
-def summarise(out: Path, suite_name: str, configs: list[RunConfig], results: list[dict]) -> int:
-    for name in ("steps", "evals"):  # the runs' own logs, concatenated in table order
-        with open(out / f"{name}.jsonl", "w") as f:
-            for cfg in configs:
-                f.write(getattr(RunFiles(out, cfg), name).read_text())
-    table = report.rows(results, read_jsonl(out / "evals.jsonl"))
-    agg = report.aggregate(table)
-    written = report.write_all(out, table, agg, results, f"gradzip convergence: {suite_name}")
-    cfg = results[0]["config"]
-    seeds = sorted({r["seed"] for r in results})
-    print(f"\n{suite_name}: {cfg['model']}, {cfg['workers']} workers, {cfg['steps']} steps "
-          f"({results[0]['params']:,} parameters), seeds {', '.join(map(str, seeds))}\n")
-    print(report.markdown(agg, report.MAIN))
-    print(f"written in {out}: {', '.join(p.name for p in written)}, steps.jsonl, evals.jsonl")
-    return 0

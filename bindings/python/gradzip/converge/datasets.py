@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
+from .._extras import require
 from .scenes import SceneConfig, render_scene
+
+np = require("numpy", "converge")
 
 IMAGE_EXTS = (".png", ".jpg", ".jpeg")
 
@@ -48,7 +50,7 @@ def resize_sample(sample: dict, size: tuple[int, int]) -> dict:
 
 def read_depth_png(path: str | Path, scale: float) -> np.ndarray:
     """16-bit PNG -> float32 metres (value / scale; 0 stays 0 = missing)."""
-    from PIL import Image
+    Image = require("PIL.Image", "converge")
 
     with Image.open(path) as im:
         a = np.array(im)
@@ -61,7 +63,7 @@ def read_depth_png(path: str | Path, scale: float) -> np.ndarray:
 
 def write_depth_png(path: str | Path, depth: np.ndarray, scale: float) -> None:
     """float metres -> 16-bit PNG of round(depth * scale); out-of-range values raise."""
-    from PIL import Image
+    Image = require("PIL.Image", "converge")
 
     q = np.round(np.nan_to_num(np.asarray(depth, np.float64), nan=0.0) * scale)
     if q.min() < 0 or q.max() > 65535:
@@ -70,7 +72,7 @@ def write_depth_png(path: str | Path, depth: np.ndarray, scale: float) -> None:
 
 
 def read_rgb(path: str | Path) -> np.ndarray:
-    from PIL import Image
+    Image = require("PIL.Image", "converge")
 
     with Image.open(path) as im:
         return np.array(im.convert("RGB"))
@@ -113,7 +115,7 @@ class NYUDepthV2Labeled(Dataset):
     """
 
     def __init__(self, path: str | Path, indices=None, raw: bool = False):
-        import h5py
+        h5py = require("h5py", "converge")
 
         self.path, self.raw = Path(path), raw
         try:
@@ -135,7 +137,7 @@ class NYUDepthV2Labeled(Dataset):
         return len(self.indices)
 
     def __getitem__(self, i: int) -> dict:
-        import h5py
+        h5py = require("h5py", "converge")
 
         if self._file is None:
             self._file = h5py.File(self.path, "r")

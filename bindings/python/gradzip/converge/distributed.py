@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .compression import _NEVER, BASELINE, MIN_COMPRESS_NUMEL
+from .output import Progress, clear_results, summarise, write_suite_json
 from .training import (RunConfig, RunFiles, batch_indices, data_key, eval_due, evaluate, finish,
                        load_data, make_model, make_optimizer, shard_loss)
 
@@ -111,8 +112,6 @@ def train_ddp(cfg: RunConfig, out: Path, data, device, progress=None) -> dict | 
 
 
 def main_ddp(args, suite, configs: list[RunConfig], device: torch.device) -> int:
-    from .cli import Progress, clear_results, summarise, write_suite_json
-
     if "RANK" not in os.environ:
         raise SystemExit("--ddp runs under torchrun, e.g. torchrun --nproc-per-node 4 "
                          "-m gradzip.converge --ddp --suite cpu-smoke --out DIR")

@@ -12,6 +12,7 @@ import csv
 import statistics
 from pathlib import Path
 
+from .._extras import require
 from .compression import BASELINE
 from .metrics import NAMES
 from .training import read_jsonl
@@ -171,7 +172,7 @@ def _by_run(recs: list[dict]) -> dict[str, list[list[dict]]]:
 
 def _band(ax, x, ys, label: str):
     """Mean over seeds (rows of ys) as a line, ± one standard deviation as a band."""
-    import numpy as np
+    np = require("numpy", "converge")
 
     ys = np.asarray(ys, dtype=float)
     m = ys.mean(0)
@@ -182,10 +183,9 @@ def _band(ax, x, ys, label: str):
 
 
 def plot(out: Path, agg: list[dict]) -> list[Path]:
-    import matplotlib
-
+    matplotlib = require("matplotlib", "converge")
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = require("matplotlib.pyplot", "converge")
 
     paths = [out / "abs_rel_vs_bytes.png", out / "loss_curves.png", out / "steps_to_target.png"]
     n_seeds = max(a["seeds"] for a in agg)

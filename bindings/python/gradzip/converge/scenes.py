@@ -15,7 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
+from .._extras import require
+
+np = require("numpy", "converge")
 
 _EPS = 1e-6
 

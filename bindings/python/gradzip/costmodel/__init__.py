@@ -22,7 +22,8 @@ elements as a plain fp32 all-reduce. PyTorch's hooks: `none` is DDP's fp32 ring 
 `torch-fp16`/`torch-bf16` a 16-bit all-reduce, PowerSGD three all-reduces per bucket
 (uncompressed tensors, P, Q).
 
-`python -m gradzip.costmodel` prints the projection table (see gradzip/costmodel_cli.py).
+`python -m gradzip.costmodel` (costmodel/__main__.py) prints the projection table of
+gradzip/costmodel_cli.py, which imports this module and not the other way round.
 """
 
 from __future__ import annotations
@@ -391,11 +392,3 @@ def break_even(codec: Codec | str, baseline: Codec | str, buckets, p: int, link:
 # The hooks the bandwidth benchmark runs, in the order of its table.
 BENCH_HOOKS = ("none", "torch-fp16", "torch-bf16", "powersgd:2", "bf16", "int8", "sign",
                "topk:0.01")
-
-
-if __name__ == "__main__":
-    import sys
-
-    from gradzip.costmodel_cli import main
-
-    sys.exit(main())

@@ -1,0 +1,64 @@
+"""What the two modes of ``python -m gradzip.converge`` share (simulated workers in cli, real
+DDP in distributed): the progress bar, the output folder's suite.json, clearing earlier results,
+and the summary written and printed at the end."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from .._extras import require
+from . import report
+from .provenance import environment
+from .training import RunConfig, RunFiles, read_jsonl
+
+
+class Progress:
+    def __init__(self, cfg: RunConfig, quiet: bool):
+        tqdm = require("tqdm", "converge").tqdm
+        self.bar = tqdm(total=cfg.steps, desc=f"{cfg.name:>14} s{cfg.seed}", unit="step",
+                        disable=quiet,
+                        dynamic_ncols=True, file=sys.stderr)
+
+    def __call__(self, step: int, loss: float) -> None:
+        self.bar.n = step
+        self.bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+        self.bar.refresh()
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def clear_results(out: Path) -> None:
+    """Everything but the cached scenes (out/data), which are keyed by what they depend on."""
+    shutil.rmtree(out / "runs", ignore_errors=True)
+    shutil.rmtree(out / "checkpoints", ignore_errors=True)
+    for name in ("steps.jsonl", "evals.jsonl"):
+        (out / name).unlink(missing_ok=True)
+
+
+def write_suite_json(out: Path, suite, device: torch.device, args) -> None:
+    (out / "suite.json").write_text(json.dumps(
+        {"suite": suite.name, "device": str(device), "argv": args.argv, "seeds": args.seeds,
+         "jobs": args.jobs, "cpus": os.cpu_count(), "environment": environment()}, indent=1))
+
+
+def summarise(out: Path, suite_name: str, configs: list[RunConfig], results: list[dict]) -> int:
+    for name in ("steps", "evals"):  # the runs' own logs, concatenated in table order
+        with open(out / f"{name}.jsonl", "w") as f:
+            for cfg in configs:
+                f.write(getattr(RunFiles(out, cfg), name).read_text())
+    table = report.rows(results, read_jsonl(out / "evals.jsonl"))
+    agg = report.aggregate(table)
+    written = report.write_all(out, table, agg, results, f"gradzip convergence: {suite_name}")
+    cfg = results[0]["config"]
+    seeds = sorted({r["seed"] for r in results})
+    print(f"\n{suite_name}: {cfg['model']}, {cfg['workers']} workers, {cfg['steps']} steps "
+          f"({results[0]['params']:,} parameters), seeds {', '.join(map(str, seeds))}\n")
+    print(report.markdown(agg, report.MAIN))
+    print(f"written in {out}: {', '.join(p.name for p in written)}, steps.jsonl, evals.jsonl")
+    return 0

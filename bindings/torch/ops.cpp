@@ -8,6 +8,22 @@
 //
 // Ops (schemas below): encoded_bytes, canonical_spec, encode[_into], encode_with_feedback[_into],
 // decode[_into], decode_add, header, set_num_threads, num_threads, cpu_isa, cuda_available.
+//
+// Registration, as PyTorch's tooling (torch.compile, export, torch.library.opcheck) expects it:
+//   - TORCH_LIBRARY defines every schema. The ops without tensor arguments (encoded_bytes,
+//     canonical_spec, the settings, cpu_isa, cuda_available) get their kernel there too, a
+//     catch-all (CompositeImplicitAutograd) one, so they also run while tracing.
+//   - The tensor ops are schema-only there; their kernels are registered per backend, for the CPU
+//     and CUDA dispatch keys (TORCH_LIBRARY_IMPL below). The kernels are the same functions for both:
+//     each picks the host or the CUDA codec from its tensors' device.
+//   - Their fake (meta) implementations, which give the output's size and dtype without running a
+//     codec, are in Python (bindings/python/gradzip/_fake.py, registered with
+//     torch.library.register_fake when the package loads this library); they take every size from
+//     encoded_bytes above. register_fake also makes them the Meta kernels, so they reject tensors
+//     on a device other than CPU and CUDA (a plain meta tensor) as check_device does. Loaded
+//     without the package, the tensor ops run on CPU and CUDA tensors but cannot be traced.
+//   - The mutable arguments are annotated (Tensor(a!)), so functionalization sees the in-place
+//     writes (residual, out); none of the ops has an autograd formula (they are not differentiable).
 #include <ATen/MemoryOverlap.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -237,24 +253,46 @@ bool cuda_available() {
 
 }  // namespace
 
+// Schemas, and the catch-all kernels of the ops that take no tensor.
 TORCH_LIBRARY(gradzip, m) {
   m.def("encoded_bytes(int n, str spec) -> int", &encoded_bytes);
   m.def("canonical_spec(str spec) -> str", &canonical_spec);
-  m.def("encode(Tensor input, str spec, float prescale=1.0) -> Tensor", &encode);
-  m.def("encode_into(Tensor input, Tensor(a!) out, str spec, float prescale=1.0) -> ()",
-        &encode_into);
+  m.def("encode(Tensor input, str spec, float prescale=1.0) -> Tensor");
+  m.def("encode_into(Tensor input, Tensor(a!) out, str spec, float prescale=1.0) -> ()");
   m.def("encode_with_feedback(Tensor grad, Tensor(a!) residual, str spec, float prescale=1.0) -> "
-        "Tensor",
-        &encode_with_feedback);
+        "Tensor");
   m.def("encode_with_feedback_into(Tensor grad, Tensor(a!) residual, Tensor(b!) out, str spec, "
-        "float prescale=1.0) -> ()",
-        &encode_with_feedback_into);
-  m.def("decode(Tensor payload, int n=-1) -> Tensor", &decode);
-  m.def("decode_into(Tensor payload, Tensor(a!) out) -> ()", &decode_into);
-  m.def("decode_add(Tensor payload, Tensor(a!) out) -> ()", &decode_add);
-  m.def("header(Tensor payload) -> int[]", &header);
+        "float prescale=1.0) -> ()");
+  m.def("decode(Tensor payload, int n=-1) -> Tensor");
+  m.def("decode_into(Tensor payload, Tensor(a!) out) -> ()");
+  m.def("decode_add(Tensor payload, Tensor(a!) out) -> ()");
+  m.def("header(Tensor payload) -> int[]");
   m.def("set_num_threads(int n) -> ()", &set_num_threads);
   m.def("num_threads() -> int", &num_threads);
   m.def("cpu_isa() -> str", &cpu_isa);
   m.def("cuda_available() -> bool", &cuda_available);
 }
+
+namespace {
+
+// The tensor ops' kernels, one set for both backends: each kernel picks the host or the CUDA codec
+// from its tensors' device (device_codec.hpp).
+void impl_tensor_ops(torch::Library& m) {
+  m.impl("encode", &encode);
+  m.impl("encode_into", &encode_into);
+  m.impl("encode_with_feedback", &encode_with_feedback);
+  m.impl("encode_with_feedback_into", &encode_with_feedback_into);
+  m.impl("decode", &decode);
+  m.impl("decode_into", &decode_into);
+  m.impl("decode_add", &decode_add);
+  m.impl("header", &header);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(gradzip, CPU, m) { impl_tensor_ops(m); }
+
+// CUDA tensors reach the same kernels in every build: with GRADZIP_TORCH_CUDA they run on the
+// current stream; without it check_device rejects them with a ValueError that says how to rebuild,
+// rather than the dispatcher's "could not run ... with arguments from the 'CUDA' backend".
+TORCH_LIBRARY_IMPL(gradzip, CUDA, m) { impl_tensor_ops(m); }

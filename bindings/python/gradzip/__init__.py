@@ -40,6 +40,7 @@ def _load_ops():
             f"gradzip: the compiled ops library (_gradzip_ops*.so) is missing in {here}; "
             "install the package with `python -m pip install --no-build-isolation .`")
     torch.ops.load_library(found[0])
+    from . import _fake  # noqa: F401  (registers the ops' fake implementations)
     return torch.ops.gradzip
 
 

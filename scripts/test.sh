@@ -6,7 +6,8 @@
 #   1. C++ build (CUDA kernels compiled for sm_80/sm_90 when nvcc is present, warnings as errors)
 #      and CTest: CPU codec properties, exhaustive casts, corrupt payloads; GPU tests skip (77)
 #      without a GPU
-#   2. the installed CMake package, consumed by a separate project (tests/consumer)
+#   2. the installed CMake package, consumed by a separate project (tests/consumer); the compressed
+#      all-reduce over c10d from C++ alone (2 processes, ProcessGroupGloo; tests/torch)
 #   3. the C++ tests under AddressSanitizer + UndefinedBehaviorSanitizer
 #   4. libFuzzer: every decoder, the spec parser and a round trip, 60 s each (GRADZIP_FUZZ_SECONDS)
 #   5. the Python package (pip install of the torch extension) and pytest: ops, DDP hook on
@@ -32,6 +33,13 @@ cmake --install "$build" --prefix "$prefix" >/dev/null
 cmake -S tests/consumer -B "$build/consumer" -G Ninja -DCMAKE_PREFIX_PATH="$prefix" >/dev/null
 cmake --build "$build/consumer"
 "$build/consumer/gradzip_consumer"
+
+stage "C++ over c10d: the compressed all-reduce from libtorch, 2 processes on ProcessGroupGloo"
+cmake -S . -B "$build-torch" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGRADZIP_WERROR=ON \
+  -DGRADZIP_TORCH=ON -DGRADZIP_CUDA=OFF -DGRADZIP_BUILD_TESTS=ON -DGRADZIP_BUILD_BENCH=OFF \
+  -DPython3_EXECUTABLE="$(command -v python)" >/dev/null
+cmake --build "$build-torch" -j "$jobs" --target gradzip_torch_comm_tests
+ctest --test-dir "$build-torch" -L torch --output-on-failure
 
 stage "C++ under ASan + UBSan"
 bash scripts/sanitize.sh

@@ -1,0 +1,118 @@
+"""Where the time of one compressed bucket goes: each phase of the C++ reduction (encode, all-to-all,
+the owner's sum and re-encode, all-gather, decode) timed on its own, the whole reduction as the
+hook runs it (CompressedAllreduce; "phases in a row": the same calls from Python, one after the
+other), and PyTorch's fp32 all-reduce of the same bucket, with W Gloo
+ranks on this machine (loopback).
+
+    python bench/torch/bench_phases.py [--world 2] [--numel 1049600] [--reps 20]
+
+Prints a Markdown table of medians in ms (rank 0's clock, a barrier before every timed call).
+"""
+
+import argparse
+import datetime
+import os
+import socket
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+CODECS = ["fp32", "bf16", "int8", "sign", "topk:0.01"]
+
+
+def timed(fn, reps):
+    out = []
+    for _ in range(reps + 2):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out[2:]) * 1e3
+
+
+def worker(rank, world, port, args, queue):
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    import gradzip  # noqa: F401  (loads torch.classes.gradzip)
+
+    threads = max(1, args.threads // world)
+    torch.set_num_threads(threads)
+    gradzip.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=120))
+    n = args.numel
+    numels = [n - n // 1025, n // 1025]  # a weight and its bias, as a Linear layer's bucket
+    g = torch.Generator().manual_seed(rank)
+    x0 = torch.randn(n, generator=g)
+    x = x0.clone()
+    rows = []
+    rows.append(("allreduce (fp32, torch)", {"total": timed(lambda: dist.all_reduce(x), args.reps)}))
+    private = dist.new_group(list(range(world)), use_local_synchronization=True)
+    for codec in CODECS:
+        red = torch.classes.gradzip.BucketReduction(codec, world, rank, numels, x)
+        residual = torch.zeros(n)
+        phases = {"encode": timed(lambda: red.encode(x, residual), args.reps)}
+        if red.two_phase():
+            send, recv = red.send(), red.recv()
+            splits = red.send_splits()
+            recv_splits = [recv.numel() // world] * world
+            phases["all-to-all"] = timed(
+                lambda: dist.all_to_all_single(recv, send, recv_splits, splits), args.reps)
+            phases["owner sum + re-encode"] = timed(lambda: red.reduce_owner(None), args.reps)
+        gathered, gather_in = red.gathered(), red.gather_in()
+        phases["all-gather"] = timed(lambda: dist.all_gather_into_tensor(gathered, gather_in),
+                                     args.reps)
+        phases["decode"] = timed(lambda: red.decode(x), args.reps)
+        def in_a_row():
+            x.copy_(x0)
+            red.encode(x, residual)
+            if red.two_phase():
+                dist.all_to_all_single(recv, send, recv_splits, splits)
+                red.reduce_owner(None)
+            dist.all_gather_into_tensor(gathered, gather_in)
+            red.decode(x)
+        runtime = torch.classes.gradzip.CompressedAllreduce(private.group_name, codec, None)
+
+        def whole():
+            x.copy_(x0)
+            runtime.reduce(0, x, x, numels, residual, None, True).wait()
+        copy = timed(lambda: x.copy_(x0), args.reps)
+        phases["phases in a row"] = timed(in_a_row, args.reps) - copy
+        phases["total"] = timed(whole, args.reps) - copy
+        rows.append((codec, phases))
+    if rank == 0:
+        queue.put(rows)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--numel", type=int, default=1025 * 1024)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    args = ap.parse_args()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(worker, args=(args.world, port, args, queue), nprocs=args.world)
+    rows = queue.get()
+    cols = ["encode", "all-to-all", "owner sum + re-encode", "all-gather", "decode",
+            "phases in a row", "total"]
+    print(f"One bucket of {args.numel} floats ({args.numel * 4 / 1e6:.1f} MB), {args.world} Gloo "
+          f"ranks on loopback, median of {args.reps}, ms\n")
+    print("| reduction | " + " | ".join(cols) + " |")
+    print("|---|" + "---:|" * len(cols))
+    for name, phases in rows:
+        print(f"| {name} | " + " | ".join(f"{phases[c]:.2f}" if c in phases else "" for c in cols)
+              + " |")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -243,3 +243,22 @@ def session(rank, world, outdir, plan):
     for name, args in plan:
         globals()[name](rank, world, outdir, *args)
         dist.barrier()
+
+
+def dead_peer(rank, world, outdir):
+    """The last rank exits before step 2's backward; the others must get an error from it."""
+    model = make_model()
+    ddp = make_ddp(model, {})
+    ddp.register_comm_hook(CompressionState("int8", min_compress_numel=32), compress_hook)
+    message = "NO ERROR"
+    for step in range(4):
+        if rank == world - 1 and step == 2:
+            os._exit(0)
+        try:
+            loss_fn(ddp, *batch(step, rank)).backward()
+        except Exception as e:  # noqa: BLE001 - the message is what the test checks
+            message = f"{type(e).__name__}: {e}"
+            break
+    with open(os.path.join(outdir, f"dead_{rank}.txt"), "w") as f:
+        f.write(message)
+    os._exit(0)  # the group has lost a member: no barrier, no teardown

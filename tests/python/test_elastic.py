@@ -1,0 +1,50 @@
+"""Fault tolerance of the DDP hook on 2 Gloo ranks: a rank killed mid-training under
+`torchrun --max-restarts=1` is restarted, the job resumes from each rank's checkpoint (model,
+optimizer, CompressionState; DDP's first iteration after the restart has its initial bucket
+layout, not the checkpoint's) and ends with exactly the parameters of an uninterrupted run; a rank
+that dies without restart makes the other fail with an error, not hang."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import ddp_scenarios as sc
+from dist_util import run_ranks
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def torchrun(out, codec, optimizer, kill_at):
+    os.makedirs(out)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "--max-restarts", "1", "--monitor-interval", "0.2",
+           os.path.join(HERE, "elastic_train.py"), "--out", str(out), "--codec", codec,
+           "--kill-at", str(kill_at)] + ([] if optimizer is None else ["--optimizer", optimizer])
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", PYTHONPATH=os.pathsep.join(
+        [HERE] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return torch.load(os.path.join(out, "final.pt"))
+
+
+@pytest.mark.parametrize("codec,optimizer", [("int8", None), ("sign", "adamw"), ("topk:0.1", "sgd")])
+def test_killed_rank_restarts_and_resumes_exactly(tmp_path, codec, optimizer):
+    uninterrupted = torchrun(tmp_path / "plain", codec, optimizer, kill_at=-1)
+    resumed = torchrun(tmp_path / "killed", codec, optimizer, kill_at=3)
+    assert (tmp_path / "killed" / "attempt1.rank1").exists(), "the job was not restarted"
+    assert not (tmp_path / "plain" / "attempt1.rank0").exists()
+    for a, b in zip(uninterrupted, resumed):
+        assert torch.equal(a, b), f"{codec}: the resumed run's parameters differ"
+
+
+def test_dead_rank_fails_the_others_with_an_error(tmp_path):
+    t0 = time.monotonic()
+    run_ranks(sc.dead_peer, 2, str(tmp_path), timeout=120)
+    with open(tmp_path / "dead_0.txt") as f:
+        message = f.read()
+    assert message.startswith("RuntimeError"), message
+    assert time.monotonic() - t0 < 100  # within the process group's timeout (60 s), no hang

@@ -1,6 +1,7 @@
 """What each spawned rank runs in test_ddp.py. Module-level functions (the children import them).
 Each writes its observations with torch.save into `outdir`; the test process compares them."""
 
+import datetime
 import io
 import os
 import pickle
@@ -262,3 +263,29 @@ def dead_peer(rank, world, outdir):
     with open(os.path.join(outdir, f"dead_{rank}.txt"), "w") as f:
         f.write(message)
     os._exit(0)  # the group has lost a member: no barrier, no teardown
+
+
+def stuck_peer(rank, world, outdir):
+    """The last rank stops answering (alive, asleep) at step 2; the others must fail within the
+    timeout of the hook's process group (5 s), not wait for Gloo's default of 30 minutes."""
+    import time
+
+    group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=5))
+    model = make_model()
+    ddp = make_ddp(model, {})
+    ddp.register_comm_hook(CompressionState("int8", process_group=group, min_compress_numel=32),
+                           compress_hook)
+    message, waited = "NO ERROR", 0.0
+    for step in range(4):
+        if rank == world - 1 and step == 2:
+            time.sleep(30)
+            os._exit(0)
+        t0 = time.monotonic()
+        try:
+            loss_fn(ddp, *batch(step, rank)).backward()
+        except Exception as e:  # noqa: BLE001 - the message is what the test checks
+            message, waited = f"{type(e).__name__}: {e}", time.monotonic() - t0
+            break
+    with open(os.path.join(outdir, f"stuck_{rank}.txt"), "w") as f:
+        f.write(f"{waited:.1f}\n{message}")
+    os._exit(0)

@@ -48,3 +48,11 @@ def test_dead_rank_fails_the_others_with_an_error(tmp_path):
         message = f.read()
     assert message.startswith("RuntimeError"), message
     assert time.monotonic() - t0 < 100  # within the process group's timeout (60 s), no hang
+
+
+def test_stuck_rank_fails_the_others_within_the_group_timeout(tmp_path):
+    run_ranks(sc.stuck_peer, 2, str(tmp_path), timeout=120)
+    with open(tmp_path / "stuck_0.txt") as f:
+        waited, message = f.read().split("\n", 1)
+    assert message.startswith("RuntimeError"), message
+    assert 4 < float(waited) < 20, waited  # the group's 5 s, with this machine's slack

@@ -263,6 +263,7 @@ class CompressionState:
                 # of their own keeps every group's calls in one order on all ranks.
                 reducing = dist.new_group(dist.get_process_group_ranks(group),
                                           backend=dist.get_backend(group),
+                                          timeout=_timeout(group),
                                           use_local_synchronization=True)
             self._runtime = torch.classes.gradzip.CompressedAllreduce(
                 reducing.group_name, self.config.codec, self._guard)
@@ -296,6 +297,15 @@ class CompressionState:
         return self._runtime.reduce(index, bucket_view, x, layout_numels(layout),
                                     None if st is None else st.residual,
                                     None if st is None else st.owner_residual, compressed)
+
+
+def _timeout(group):
+    """The group's timeout (a dead or stuck peer fails a collective after it), None if unknown
+    (torch's default then)."""
+    try:
+        return group._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
 
 
 class _ParameterKeys:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The device check of issue 3, for a GPU machine that has CUDA 13, PyTorch and CMake but no
+# The device check, for a GPU machine that has CUDA 13, PyTorch and CMake but no
 # GoogleTest and no internet: runs the GPU tests, the kernel benchmark and PyTorch's ops with
 # binaries built elsewhere (bench/gpu/README.md), and writes OUTDIR/RESULTS.md + the raw JSON.
 # Budget: about 7.5 minutes on one H200 (each stage has its own timeout).

@@ -99,7 +99,7 @@ def main():
         out.append("Missing PyTorch or benchmark results (see torch_ops.log / bench.log).")
     out.append("")
 
-    out.append("## Targets of issue 3 (n >= 64M elements)")
+    out.append("## Targets (n >= 64M elements)")
     for spec in ("bf16", "int8", "sign"):
         for n in sorted(n for n in copy if n >= 1 << 26):
             r = rows.get((spec, "encode_ef", n))

@@ -1,5 +1,5 @@
 """The ops and the reduction algorithm on CUDA tensors: the same bytes and values as on the CPU
-(DESIGN invariant 4). Skipped unless gradzip was built with CUDA and a device is present."""
+(a payload encoded on one decodes identically on the other). Skipped unless gradzip was built with CUDA and a device is present."""
 
 import pytest
 import torch

@@ -1,5 +1,5 @@
 """The torch ops: round trips against a float64 reference on odd sizes, the error-feedback identity,
-and rejection of bad input (issue 7 item 3) with TypeError/ValueError naming the reason."""
+and rejection of bad input with TypeError/ValueError naming the reason."""
 
 import math
 

@@ -189,7 +189,7 @@ def two_phase(codec: Codec, n: int, p: int, link: Link) -> Cost:
 
 # --- codec compute --------------------------------------------------------------------------------
 
-# Bytes per element each pass must move (DESIGN.md "byte floors"): fused error-feedback encode
+# Bytes per element each pass must move at the least (its memory-traffic floor): fused error-feedback encode
 # (read grad + residual, write residual + payload) and decode-add (read payload + out, write out).
 ENCODE_EF_BYTES = {"fp32": 0.0, "fp16": 14.0, "bf16": 14.0, "int8": 13.0, "sign": 12.1,
                    "topk": 16.0, "powersgd": 0.0}

@@ -9,33 +9,26 @@ allreduce_hook per bucket, and the bytes each rank sent per step.
 """
 
 import argparse
-import datetime
 import os
-import socket
 import statistics
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import loopback_ranks
+
 CODECS = ["allreduce_hook", "fp32", "bf16", "int8", "sign", "topk:0.01"]
 
 
-def worker(rank, world, port, args, queue):
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    import gradzip
+def worker(rank, world, args):
     from gradzip.ddp import CompressionState, compress_hook
 
-    threads = max(1, args.threads // world)
-    torch.set_num_threads(threads)
-    gradzip.set_num_threads(threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=120))
+    results = []
     for codec in CODECS:
         torch.manual_seed(0)
         layers = []
@@ -66,12 +59,11 @@ def worker(rank, world, port, args, queue):
             t0 = time.perf_counter()
             out.backward()
             times.append(time.perf_counter() - t0)
-        if rank == 0:
-            sent = state.stats["bytes_sent"] if state is not None else \
-                2 * (world - 1) * 4 * sum(p.numel() for p in model.parameters()) // world
-            queue.put((codec, statistics.median(times[2:]) * 1e3, len(buckets), sent))
+        sent = state.stats["bytes_sent"] if state is not None else \
+            2 * (world - 1) * 4 * sum(p.numel() for p in model.parameters()) // world
+        results.append((codec, statistics.median(times[2:]) * 1e3, len(buckets), sent))
         del ddp
-    dist.destroy_process_group()
+    return results
 
 
 def main():
@@ -83,13 +75,7 @@ def main():
     ap.add_argument("--bucket-mb", type=float, default=4.0)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = ap.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    mp.spawn(worker, args=(args.world, port, args, queue), nprocs=args.world)
-    results = [queue.get() for _ in CODECS]
+    results = loopback_ranks.run(worker, args.world, args.threads, args)
     params = args.layers * (args.width * args.width + args.width)
     base = results[0][1]
     print(f"DDP backward, {args.world} Gloo ranks on loopback, MLP {args.layers}x{args.width} "

@@ -10,16 +10,15 @@ Prints a Markdown table of medians in ms (rank 0's clock, a barrier before every
 """
 
 import argparse
-import datetime
 import os
-import socket
 import statistics
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+import loopback_ranks
 
 CODECS = ["fp32", "bf16", "int8", "sign", "topk:0.01"]
 
@@ -34,15 +33,7 @@ def timed(fn, reps):
     return statistics.median(out[2:]) * 1e3
 
 
-def worker(rank, world, port, args, queue):
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    import gradzip  # noqa: F401  (loads torch.classes.gradzip)
-
-    threads = max(1, args.threads // world)
-    torch.set_num_threads(threads)
-    gradzip.set_num_threads(threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=120))
+def worker(rank, world, args):
     n = args.numel
     numels = [n - n // 1025, n // 1025]  # a weight and its bias, as a Linear layer's bucket
     g = torch.Generator().manual_seed(rank)
@@ -83,10 +74,7 @@ def worker(rank, world, port, args, queue):
         phases["phases in a row"] = timed(in_a_row, args.reps) - copy
         phases["total"] = timed(whole, args.reps) - copy
         rows.append((codec, phases))
-    if rank == 0:
-        queue.put(rows)
-    dist.barrier()
-    dist.destroy_process_group()
+    return rows
 
 
 def main():
@@ -96,12 +84,7 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = ap.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    queue = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(worker, args=(args.world, port, args, queue), nprocs=args.world)
-    rows = queue.get()
+    rows = loopback_ranks.run(worker, args.world, args.threads, args)
     cols = ["encode", "all-to-all", "owner sum + re-encode", "all-gather", "decode",
             "phases in a row", "total"]
     print(f"One bucket of {args.numel} floats ({args.numel * 4 / 1e6:.1f} MB), {args.world} Gloo "

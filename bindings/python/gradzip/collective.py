@@ -16,6 +16,7 @@ StateStore.get), so residuals and moments survive a re-bucketing.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import List, Optional, Sequence, Tuple
@@ -72,14 +73,20 @@ Layout = Tuple[int, Tuple[Tuple[object, Tuple[int, ...]], ...]]  # (n, ((key, sh
 def layout_numels(layout: Layout) -> List[int]:
     """Element counts of a bucket's tensors, in buffer order (one tensor if the shapes are unknown)."""
     n, params = layout
-    numels = [_numel(shape) for _, shape in params]
+    numels = [math.prod(shape) for _, shape in params]
     return numels if numels and sum(numels) == n else [n]
 
 
-def _numel(shape) -> int:
-    out = 1
-    for s in shape:
-        out *= int(s)
+def param_offsets(layout: Layout) -> dict:
+    """key -> (offset in the bucket, numel, shape) for the parameters a layout describes (empty
+    if its shapes do not add up to the bucket, i.e. are unknown)."""
+    out, off = {}, 0
+    n, params = layout
+    if sum(math.prod(s) for _, s in params) != n:
+        return {}
+    for key, shape in params:
+        out[key] = (off, math.prod(shape), tuple(shape))
+        off += math.prod(shape)
     return out
 
 
@@ -109,15 +116,7 @@ class BucketState:
         self.moments = [move(t) for t in self.moments]
 
     def offsets(self) -> dict:
-        """key -> (offset in the bucket, numel), for the parameters this bucket describes."""
-        out, off = {}, 0
-        n, params = self.layout
-        if sum(_numel(s) for _, s in params) != n:
-            return out
-        for key, shape in params:
-            out[key] = (off, _numel(shape), tuple(shape))
-            off += _numel(shape)
-        return out
+        return param_offsets(self.layout)
 
 
 class StateStore:

@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 
 from . import _ops  # noqa: F401  (loads the extension that defines torch.classes.gradzip)
-from .collective import CodecPlan, StateStore, layout_numels, run_simulated, shard_bounds, traffic
+from .collective import (CodecPlan, StateStore, layout_numels, param_offsets, run_simulated,
+                         shard_bounds, traffic)
 
 __all__ = ["CompressionState", "compress_hook", "SimulatedWorkers"]
 
@@ -358,11 +359,11 @@ def _reduce_as_saved(state, buf, layout, cover):
     first iteration), each on a gathered copy, and scatters the averages back."""
     cfg, world, rank = state.config, state._world, state._rank
     x = buf.float() if buf.dtype != torch.float32 else buf
-    where = {key: off for key, off in _offsets(layout).items()}
+    where = param_offsets(layout)
     parts, futs = [], []
     for i in cover:
         saved = state._ef.buckets[i].layout
-        index = torch.cat([torch.arange(where[k], where[k] + _numel(s)) for k, s in saved[1]])
+        index = torch.cat([torch.arange(where[k][0], where[k][0] + where[k][1]) for k, _ in saved[1]])
         index = index.to(buf.device)
         part = x.index_select(0, index)
         st = cfg.bucket_state(state._ef, i, saved, world, rank, buf.device)
@@ -377,21 +378,6 @@ def _reduce_as_saved(state, buf, layout, cover):
         return [buf]
 
     return torch.futures.collect_all(futs).then(scatter)
-
-
-def _numel(shape) -> int:
-    out = 1
-    for s in shape:
-        out *= int(s)
-    return out
-
-
-def _offsets(layout) -> dict:
-    out, off = {}, 0
-    for key, shape in layout[1]:
-        out[key] = off
-        off += _numel(shape)
-    return out
 
 
 class SimulatedWorkers:

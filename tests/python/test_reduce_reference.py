@@ -1,0 +1,412 @@
+"""The whole compressed average of every codec against a float64 reference written here.
+
+``SimulatedWorkers`` runs the same C++ phases as the multi-rank DDP hook, bit for bit (pinned by
+test_ddp.py), so what it returns is what every rank's bucket holds. This file re-derives that
+result from the algorithm's description alone, in plain torch float64 (no gradzip encoder,
+decoder or layout helper is called):
+
+  * each rank forms c = g * p + e in fp32 (p = fl32(1/W), e its residual);
+  * two-phase codecs (fp32, fp16, bf16, int8, sign): the bucket is cut into W shards (the first
+    n % W get n // W + 1 elements); int8/sign cut each shard further at the bucket's tensor
+    boundaries (a cut only where both sides keep >= 64 elements) and restart their blocks at each
+    piece; the owner of a shard sums the W decoded contributions in rank order and re-encodes the
+    sum (prescale 1, no residual); everyone decodes every re-encoded shard;
+  * top-k: each rank keeps the k = min(n, max(1, ceil(ratio * n))) largest |c| (ties to the lowest
+    index), every rank adds the W decoded payloads in rank order into zeros;
+  * the worker residual after the step is c - decode(encode(c)).
+
+Element math: fp16/bf16 round to nearest even (torch's float32 casts); int8: per block
+scale = absmax / 127, q = round-half-even(c / scale) clamped to +-127; sign: per block
+scale = mean |c|, decoded = +-scale by c's sign bit; top-k values kept as fp32 or fp16.
+
+Two references are built from that description:
+
+  * ``ideal``: float64 arithmetic after c (sums, scales and quotients exact to float64); each codec
+    is checked against it within the error bound derived from its rounding steps (test_first_step,
+    test_second_step_carries_the_residual), and the result is checked against the TRUE mean within
+    the codec's stated bound (test_error_against_the_true_mean);
+  * ``fp32``: the same description, with each step the algorithm performs in fp32 rounded to fp32
+    (float64 arithmetic rounded once to float32 is the correctly rounded float32 result for + - * /,
+    since 53 >= 2 * 24 + 2), and sign's block mean taken with the documented 32-lane tree. It must
+    equal gradzip's output and residuals bit for bit (test_bitwise_against_fp32_mirror): errors far
+    below the codecs' bounds, such as a different summation order, show up there.
+"""
+
+import math
+
+import pytest
+import torch
+
+from gradzip.ddp import SimulatedWorkers
+
+F64 = torch.float64
+U32 = 2.0 ** -24  # unit roundoff of fp32
+MIN_PIECE = 64
+
+NUMELS = {"a": [1000, 37, 4099], "b": [3, 700, 64, 1500, 65, 611]}
+SCALES = {"a": [1.0, 1e-3, 3.0], "b": [2.0, 1.0, 1e-2, 0.5, 50.0, 1e-4]}
+
+
+# ---- the reference ----------------------------------------------------------------------------
+def parse(spec):
+    parts = spec.split(":")
+    kind = parts[0]
+    opts = dict(p.split("=") for p in parts[1:] if "=" in p)
+    out = {"kind": kind}
+    if kind == "int8":
+        out["block"] = int(opts.get("block", 256))
+    elif kind == "sign":
+        out["block"] = int(opts.get("block", 1024))
+    elif kind == "topk":
+        out["ratio"] = float(parts[1])
+        out["fp16_values"] = opts.get("values", "fp32") == "fp16"
+    return out
+
+
+def f32(x):
+    """Rounds float64 values to float32 (kept as float64)."""
+    return x.to(torch.float32).to(F64)
+
+
+def shard_starts(n, world):
+    base, extra = divmod(n, world)
+    starts = [0]
+    for j in range(world):
+        starts.append(starts[-1] + base + (1 if j < extra else 0))
+    return starts
+
+
+def pieces(lo, hi, numels):
+    """[a, b) message ranges of shard [lo, hi): cut at tensor boundaries keeping >= 64 each side."""
+    cuts, acc = [], 0
+    for m in numels[:-1]:
+        acc += m
+        cuts.append(acc)
+    out, start = [], lo
+    for cut in cuts:
+        if cut - start >= MIN_PIECE and hi - cut >= MIN_PIECE:
+            out.append((start, cut))
+            start = cut
+    out.append((start, hi))
+    return out
+
+
+def blocks_of(x, block):
+    """x (m,) padded with zeros to (nb, block); also the real length of each block."""
+    m = x.numel()
+    nb = -(-m // block)
+    padded = torch.zeros(nb * block, dtype=F64)
+    padded[:m] = x
+    lens = torch.full((nb,), float(block), dtype=F64)
+    lens[-1] = m - (nb - 1) * block
+    return padded.view(nb, block), lens
+
+
+def sign_scales(x, block, mirror):
+    xb, lens = blocks_of(x.abs(), block)
+    if not mirror:
+        return xb.sum(1) / lens
+    # 32 lanes; lane j sums elements j, j+32, ... in order; then the halving tree; / count
+    rows = xb.view(xb.shape[0], block // 32, 32)
+    lanes = torch.zeros(xb.shape[0], 32, dtype=F64)
+    for i in range(rows.shape[1]):
+        lanes = f32(lanes + rows[:, i, :])
+    s = 16
+    while s >= 1:
+        lanes[:, :s] = f32(lanes[:, :s] + lanes[:, s:2 * s])
+        s //= 2
+    return f32(lanes[:, 0] / lens)
+
+
+def encode_decode(codec, x, mirror):
+    """decode(encode(x)) of one message, and the per-element block scale (int8, sign)."""
+    kind = codec["kind"]
+    m = x.numel()
+    if kind == "fp32":
+        return x.clone(), None
+    if kind == "fp16":
+        return x.to(torch.float32).to(torch.float16).to(F64), None
+    if kind == "bf16":
+        return x.to(torch.float32).to(torch.bfloat16).to(F64), None
+    block = codec["block"]
+    if kind == "int8":
+        xb, _ = blocks_of(x, block)
+        absmax = xb.abs().amax(1, keepdim=True)
+        tiny = absmax < 2.0 ** -100
+        safe = torch.where(tiny, torch.ones_like(absmax), absmax)
+        if mirror:
+            scale = torch.where(tiny, 0.0, f32(safe / 127))
+            inv = torch.where(tiny, 0.0, f32(127 / safe))
+            q = torch.round(f32(xb * inv)).clamp(-127, 127)
+            dec = f32(q * scale)
+        else:
+            scale = torch.where(tiny, 0.0, safe / 127)
+            q = torch.round(torch.where(tiny, 0.0, xb / safe * 127)).clamp(-127, 127)
+            dec = q * scale
+        return dec.reshape(-1)[:m], scale.expand_as(xb).reshape(-1)[:m]
+    if kind == "sign":
+        scale = sign_scales(x, block, mirror).repeat_interleave(block)[:m]
+        return torch.where(torch.signbit(x), -scale, scale), scale
+    raise AssertionError(kind)
+
+
+def reference(spec, grads, residuals, numels, mirror=False):
+    """The compressed average of ``grads`` (float32, one per rank) with ``residuals`` (float32)."""
+    codec = parse(spec)
+    world = len(grads)
+    n = grads[0].numel()
+    rnd = f32 if mirror else (lambda t: t)
+    p = float(torch.tensor(1.0 / world, dtype=torch.float32))
+    # c = g * p + e in fp32, on every path (it is the encoders' input)
+    cs = [f32(f32(g.to(F64) * p) + e.to(F64)) for g, e in zip(grads, residuals)]
+    dec = [torch.zeros(n, dtype=F64) for _ in range(world)]
+    scale = [torch.zeros(n, dtype=F64) for _ in range(world)]
+    out = torch.zeros(n, dtype=F64)
+    oscale = torch.zeros(n, dtype=F64)
+    selected = None
+    if codec["kind"] == "topk":
+        k = min(n, max(1, math.ceil(codec["ratio"] * n)))
+        selected = []
+        for r, c in enumerate(cs):
+            order = torch.sort(c.abs(), descending=True, stable=True).indices  # ties: lowest index
+            keep = torch.zeros(n, dtype=torch.bool)
+            keep[order[:k]] = True
+            vals = c.to(torch.float32).to(torch.float16).to(F64) if codec["fp16_values"] else c
+            dec[r] = torch.where(keep, vals, 0.0)
+            selected.append(keep)
+            out = rnd(out + dec[r])
+        total = out
+    else:
+        starts = shard_starts(n, world)
+        split = numels if codec["kind"] in ("int8", "sign") else [n]
+        ranges = [pieces(starts[j], starts[j + 1], split) for j in range(world)]
+        for r, c in enumerate(cs):
+            for rs in ranges:
+                for a, b in rs:
+                    d, s = encode_decode(codec, c[a:b], mirror)
+                    dec[r][a:b] = d
+                    if s is not None:
+                        scale[r][a:b] = s
+        total = torch.zeros(n, dtype=F64)
+        for d in dec:  # the owner's sum, rank order, from zero
+            total = rnd(total + d)
+        for rs in ranges:
+            for a, b in rs:
+                d, s = encode_decode(codec, total[a:b], mirror)
+                out[a:b] = d
+                if s is not None:
+                    oscale[a:b] = s
+    res = [rnd(c - d) for c, d in zip(cs, dec)]
+    return {"c": cs, "dec": dec, "scale": scale, "sum": total, "out": out, "oscale": oscale,
+            "res": res, "selected": selected, "sum_abs": sum(d.abs() for d in dec),
+            "codec": codec}
+
+
+# ---- driving gradzip --------------------------------------------------------------------------
+def make_grads(world, layout, seed, ties=False):
+    """Gaussian tensors of different scales; ``ties``: a few integer levels instead (equal |c|
+    everywhere: top-k's tie rule, int8's round-half-even)."""
+    g = torch.Generator().manual_seed(seed)
+    numels, scales = NUMELS[layout], SCALES[layout]
+    draw = (lambda m: torch.randint(-4, 5, (m,), generator=g).float()) if ties else \
+        (lambda m: torch.randn(m, generator=g))
+    return [torch.cat([draw(m) * s for m, s in zip(numels, scales)]) for _ in range(world)]
+
+
+def gz_residuals(sim):
+    return [w[0]["residual"].to(F64) for w in sim.state_dict()["workers"]]
+
+
+def run_gradzip(spec, world, steps):
+    """steps: list of (grads, numels); returns [(output, residuals after the step)]."""
+    sim = SimulatedWorkers(spec, world, min_compress_numel=0)
+    out = []
+    for grads, numels in steps:
+        o = sim.reduce(grads, numels=numels).to(F64)
+        out.append((o, gz_residuals(sim)))
+    return out
+
+
+# ---- the bounds -------------------------------------------------------------------------------
+UNIT = {"fp16": 2.0 ** -11, "bf16": 2.0 ** -8}
+TINY = {"fp16": 2.0 ** -25, "bf16": 2.0 ** -134}  # half the smallest subnormal step
+
+
+def check_against_ideal(spec, out, res, ref, world, true_mean=None, mag=None):
+    """Asserts gradzip's ``out`` / worker ``res`` against the ideal reference ``ref``."""
+    kind = ref["codec"]["kind"]
+    n = out.numel()
+    c, S, sum_abs = ref["c"], ref["sum"], ref["sum_abs"]
+    # the owner's fp32 sum of W terms differs from the float64 one by at most (W - 1) u sum |d|
+    acc = world * U32 * sum_abs
+    if kind == "fp32":
+        assert all(torch.equal(e, torch.zeros(n, dtype=F64)) for e in res)
+        assert ((out - true_mean).abs() <= 1e-6 * mag).all()
+        assert ((out - S).abs() <= acc).all()
+        return
+    if kind in ("fp16", "bf16"):
+        for r in range(world):  # c - round(c) is exact in fp32: equality
+            assert torch.equal(res[r], ref["res"][r]), f"{spec}: residual of rank {r}"
+        cast = torch.float16 if kind == "fp16" else torch.bfloat16
+        assert torch.equal(out.to(cast).to(F64), out), f"{spec}: output not re-encoded"
+        u = UNIT[kind]
+        bound = u * (S.abs() + acc) + TINY[kind] + acc
+        err = (out - S).abs()
+        assert (err <= bound * (1 + 1e-9)).all(), f"{spec}: output err {(err / bound).max():.3g} bound"
+        return
+    if kind == "int8":
+        for r in range(world):
+            step = ref["scale"][r]
+            assert (res[r].abs() <= step * (0.5 + 1e-5)).all(), f"{spec}: rank {r} beyond half a step"
+            # equal to the reference up to the fp32 scale (|q| <= 127 times u), the product's and
+            # the residual's roundings, except where c / step sits on a rounding tie (float64 vs
+            # fp32 quotient): there one step apart at most
+            y = torch.where(step > 0, c[r] / torch.where(step > 0, step, 1.0), 0.0)
+            tie = ((y - y.floor()) - 0.5).abs() < 1e-4
+            diff = (res[r] - ref["res"][r]).abs()
+            near = 256 * U32 * step + U32 * res[r].abs()
+            assert (diff[~tie] <= near[~tie]).all(), f"{spec}: rank {r} residual"
+            assert (diff[tie] <= step[tie] * (1 + 1e-5)).all()
+            acc = acc + tie.to(F64) * step
+        bound = ref["oscale"] * (0.5 + 1e-5) + acc
+        err = (out - S).abs()
+        assert (err <= bound * (1 + 1e-6)).all(), f"{spec}: output err {(err / bound).max():.3g} bound"
+        return
+    if kind == "sign":
+        for r in range(world):
+            scale = ref["scale"][r]
+            decoded = c[r] - res[r]  # what rank r sent, up to the fp32 rounding of its residual
+            slack = 1e-6 * scale + 2 * U32 * res[r].abs()
+            assert ((decoded.abs() - scale).abs() <= slack).all(), f"{spec}: rank {r} block scale"
+            assert torch.equal(torch.signbit(decoded), torch.signbit(c[r])), f"{spec}: rank {r} sign"
+        osc = ref["oscale"]
+        assert ((out.abs() - osc).abs() <= 2e-6 * osc).all(), f"{spec}: owner block scale"
+        sure = S.abs() > acc + 1e-6 * osc  # where the fp32 sum cannot change sign
+        assert sure.float().mean() > 0.99
+        assert torch.equal(torch.signbit(out[sure]), torch.signbit(S[sure])), f"{spec}: owner sign"
+        return
+    if kind == "topk":
+        for r in range(world):
+            mine = res[r] != c[r]  # kept elements: the residual is c - value (0 or fp16's error)
+            assert torch.equal(mine, ref["selected"][r]), f"{spec}: rank {r} selected set"
+            assert torch.equal(res[r], ref["res"][r]), f"{spec}: rank {r} residual"
+        assert ((out - S).abs() <= 1e-6 * sum_abs).all(), f"{spec}: output"
+        none = ~torch.stack(ref["selected"]).any(0)
+        assert (out[none] == 0).all()
+        return
+    raise AssertionError(kind)
+
+
+CODECS = ["fp32", "fp16", "bf16", "int8", "int8:block=32", "sign", "sign:block=64", "topk:0.1",
+          "topk:0.05:values=fp16"]
+WORLDS = [2, 3, 5]
+
+
+def zeros_like_all(grads):
+    return [torch.zeros_like(g) for g in grads]
+
+
+@pytest.mark.parametrize("layout", ["a", "b"])
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("codec", CODECS)
+def test_first_step(codec, world, layout):
+    for seed in (0, 1):
+        grads = make_grads(world, layout, seed)
+        numels = NUMELS[layout]
+        [(out, res)] = run_gradzip(codec, world, [(grads, numels)])
+        ref = reference(codec, grads, zeros_like_all(grads), numels)
+        true_mean = sum(g.to(F64) for g in grads) / world
+        mag = sum(g.to(F64).abs() for g in grads) / world
+        check_against_ideal(codec, out, res, ref, world, true_mean, mag)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("codec", ["int8", "int8:block=32", "sign", "sign:block=64", "fp16",
+                                   "topk:0.1", "topk:0.05:values=fp16"])
+def test_second_step_carries_the_residual(codec, world):
+    """Step 2 from the residuals gradzip carried out of step 1 (error feedback)."""
+    layout, numels = "a", NUMELS["a"]
+    g1, g2 = make_grads(world, layout, 10), make_grads(world, layout, 11)
+    (o1, res1), (o2, res2) = run_gradzip(codec, world, [(g1, numels), (g2, numels)])
+    ref1 = reference(codec, g1, zeros_like_all(g1), numels)
+    check_against_ideal(codec, o1, res1, ref1, world)
+    carried = [e.to(torch.float32) for e in res1]
+    assert any(e.abs().sum() > 0 for e in carried)
+    ref2 = reference(codec, g2, carried, numels)
+    check_against_ideal(codec, o2, res2, ref2, world)
+
+
+def true_error_bound(spec, grads, ref, world):
+    """Per element, the codec's stated bound on |output - true mean| (zero residuals)."""
+    kind = ref["codec"]["kind"]
+    c = ref["c"]
+    abs_c = sum(x.abs() for x in c)
+    mean_abs = sum(g.to(F64).abs() for g in grads) / world
+    # c = fl32(g * fl32(1/W)): two fp32 roundings away from g / W; the owner's / decoder's fp32 sum
+    base = 2 * U32 * mean_abs + world * U32 * ref["sum_abs"]
+    if kind == "fp32":
+        return 1e-6 * mean_abs
+    if kind in ("fp16", "bf16"):  # one rounding per rank, one of the owner's sum
+        u = UNIT[kind]
+        return u * (abs_c + ref["sum"].abs() + base) + (world + 1) * TINY[kind] + 2 * base
+    if kind == "int8":  # half a step per rank, half a step of the owner's re-encode
+        return (0.5 + 1e-5) * (sum(ref["scale"]) + ref["oscale"]) + 2 * base
+    if kind == "sign":  # |+-m - x| <= max(|x|, m) with the same sign, per rank and owner
+        per_rank = sum(torch.maximum(x.abs(), s) for x, s in zip(c, ref["scale"]))
+        return per_rank + torch.maximum(ref["sum"].abs(), ref["oscale"]) + 2 * base
+    if kind == "topk":  # dropped entries are below each rank's k-th largest |c|; fp16 rounding
+        k = min(c[0].numel(), max(1, math.ceil(ref["codec"]["ratio"] * c[0].numel())))
+        kth = sum(torch.sort(x.abs(), descending=True).values[k - 1] for x in c)
+        value_err = 2.0 ** -11 * abs_c + world * 2.0 ** -25 if ref["codec"]["fp16_values"] else 0
+        return kth + value_err + 2 * base
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("codec", CODECS)
+def test_error_against_the_true_mean(codec, world):
+    layout, numels = "b", NUMELS["b"]
+    grads = make_grads(world, layout, 5)
+    [(out, _)] = run_gradzip(codec, world, [(grads, numels)])
+    true_mean = sum(g.to(F64) for g in grads) / world
+    ref = reference(codec, grads, zeros_like_all(grads), numels)
+    bound = true_error_bound(codec, grads, ref, world)
+    err = (out - true_mean).abs()
+    assert (err <= bound).all(), f"{codec}: error / bound up to {(err / bound).max():.3g}"
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("codec", CODECS)
+def test_bitwise_against_fp32_mirror(codec, world):
+    """Two steps (error feedback carried); outputs and residuals equal bit for bit."""
+    layout, numels = "a", NUMELS["a"]
+    g1, g2 = make_grads(world, layout, 20), make_grads(world, layout, 21)
+    (o1, res1), (o2, res2) = run_gradzip(codec, world, [(g1, numels), (g2, numels)])
+    ref1 = reference(codec, g1, zeros_like_all(g1), numels, mirror=True)
+    ref2 = reference(codec, g2, [e.to(torch.float32) for e in ref1["res"]], numels, mirror=True)
+    for step, (o, res, ref) in enumerate([(o1, res1, ref1), (o2, res2, ref2)], 1):
+        bad = (o != ref["out"]).sum().item()
+        assert bad == 0, f"{codec} W={world} step {step}: {bad} output elements differ"
+        for r in range(world):
+            bad = (res[r] != ref["res"][r]).sum().item()
+            assert bad == 0, f"{codec} W={world} step {step}: rank {r}: {bad} residuals differ"
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("codec", ["topk:0.1", "topk:0.05:values=fp16", "int8", "int8:block=32",
+                                   "sign:block=64"])
+def test_ties(codec, world):
+    """Integer-valued gradients: |c| ties at top-k's threshold (lowest indices kept) and int8
+    quotients exactly half-way (round half to even); the ideal bounds and the fp32 mirror."""
+    numels = NUMELS["a"]
+    g1, g2 = make_grads(world, "a", 30, ties=True), make_grads(world, "a", 31, ties=True)
+    (o1, res1), (o2, res2) = run_gradzip(codec, world, [(g1, numels), (g2, numels)])
+    ref1 = reference(codec, g1, zeros_like_all(g1), numels)
+    check_against_ideal(codec, o1, res1, ref1, world)
+    check_against_ideal(codec, o2, res2, reference(codec, g2, [e.float() for e in res1], numels),
+                        world)
+    m1 = reference(codec, g1, zeros_like_all(g1), numels, mirror=True)
+    m2 = reference(codec, g2, [e.float() for e in m1["res"]], numels, mirror=True)
+    for o, res, m in ((o1, res1, m1), (o2, res2, m2)):
+        assert torch.equal(o, m["out"])
+        assert all(torch.equal(a, b) for a, b in zip(res, m["res"]))

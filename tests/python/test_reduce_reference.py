@@ -30,6 +30,9 @@ Two references are built from that description:
     since 53 >= 2 * 24 + 2), and sign's block mean taken with the documented 32-lane tree. It must
     equal gradzip's output and residuals bit for bit (test_bitwise_against_fp32_mirror): errors far
     below the codecs' bounds, such as a different summation order, show up there.
+
+test_ties runs both on integer-valued gradients, where |c| ties at top-k's threshold and int8's
+quotients fall exactly half-way, so the tie rules (lowest index, round half to even) are exercised.
 """
 
 import math
@@ -268,7 +271,8 @@ def check_against_ideal(spec, out, res, ref, world, true_mean=None, mag=None):
             assert (diff[~tie] <= near[~tie]).all(), f"{spec}: rank {r} residual"
             assert (diff[tie] <= step[tie] * (1 + 1e-5)).all()
             acc = acc + tie.to(F64) * step
-        bound = ref["oscale"] * (0.5 + 1e-5) + acc
+        # the owner's step comes from the absmax of its fp32 sum, off the float64 one by <= acc
+        bound = ref["oscale"] * (0.5 + 1e-5) + acc + acc.max() / 254
         err = (out - S).abs()
         assert (err <= bound * (1 + 1e-6)).all(), f"{spec}: output err {(err / bound).max():.3g} bound"
         return
@@ -282,7 +286,7 @@ def check_against_ideal(spec, out, res, ref, world, true_mean=None, mag=None):
         osc = ref["oscale"]
         assert ((out.abs() - osc).abs() <= 2e-6 * osc).all(), f"{spec}: owner block scale"
         sure = S.abs() > acc + 1e-6 * osc  # where the fp32 sum cannot change sign
-        assert sure.float().mean() > 0.99
+        assert sure.float().mean() > 0.5  # (integer-valued data cancels to exactly 0 often)
         assert torch.equal(torch.signbit(out[sure]), torch.signbit(S[sure])), f"{spec}: owner sign"
         return
     if kind == "topk":

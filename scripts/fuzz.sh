@@ -9,8 +9,6 @@ build=${GRADZIP_FUZZ_BUILD_DIR:-build/fuzz}
 jobs=${JOBS:-$(nproc)}
 
 # RelWithDebInfo without -DNDEBUG: optimised, with line numbers and the library's asserts on.
-cmake -S . -B "$build" -G Ninja -DCMAKE_CXX_COMPILER=clang++ \
-  -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O2 -g" \
-  -DGRADZIP_FUZZ=ON -DGRADZIP_CUDA=OFF -DGRADZIP_BUILD_BENCH=OFF -DGRADZIP_TORCH=OFF >/dev/null
+cmake --preset fuzz -B "$build" >/dev/null  # CMakePresets.json
 cmake --build "$build" -j "$jobs" --target gradzip_fuzzers
 exec bash tests/fuzz/run.sh "$build" "${1:-60}"

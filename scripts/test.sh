@@ -23,7 +23,7 @@ t0=$SECONDS
 stage() { echo; echo "== [$((SECONDS - t0)) s] $*"; }
 
 stage "C++: configure, build, CTest"
-cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGRADZIP_WERROR=ON >/dev/null
+cmake --preset release -B "$build" >/dev/null  # the build trees' settings: CMakePresets.json
 cmake --build "$build" -j "$jobs"
 ctest --test-dir "$build" --output-on-failure -j "$jobs"
 
@@ -35,9 +35,7 @@ cmake --build "$build/consumer"
 "$build/consumer/gradzip_consumer"
 
 stage "C++ over c10d: the compressed all-reduce from libtorch, 2 processes on ProcessGroupGloo"
-cmake -S . -B "$build-torch" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGRADZIP_WERROR=ON \
-  -DGRADZIP_TORCH=ON -DGRADZIP_CUDA=OFF -DGRADZIP_BUILD_TESTS=ON -DGRADZIP_BUILD_BENCH=OFF \
-  -DPython3_EXECUTABLE="$(command -v python)" >/dev/null
+cmake --preset torch -B "$build-torch" -DPython3_EXECUTABLE="$(command -v python)" >/dev/null
 cmake --build "$build-torch" -j "$jobs" --target gradzip_torch_comm_tests
 ctest --test-dir "$build-torch" -L torch --output-on-failure
 

@@ -13,6 +13,7 @@ namespace gradzip {
 namespace {
 
 void decode_impl(const void* wire, size_t bytes, float* out, size_t n, bool add) {
+  const detail::IeeeFloatMode ieee;  // the caller's thread; workers set their own
   detail::require_host_pointer(out, "out");
   // The payload is read as floats and words in place: as on the GPU, it must be 4-byte aligned
   // (a message inside a concatenated buffer: start each one at a multiple of 4 or 16).

@@ -19,6 +19,7 @@ namespace {
 
 void encode_impl(const Codec& codec, detail::EncodeArgs a, size_t n, void* out, size_t out_bytes,
                  void* workspace, size_t workspace_bytes) {
+  const detail::IeeeFloatMode ieee;  // the caller's thread; workers set their own
   detail::require_host_pointer(a.grad, "grad");
   detail::require_host_pointer(a.residual, "residual");
   detail::require_host_pointer(out, "out");

@@ -5,6 +5,7 @@
 
 #include <cstddef>
 
+#include "float_mode.hpp"
 #include "gradzip/gradzip.hpp"
 
 namespace gradzip::detail {
@@ -16,6 +17,7 @@ constexpr size_t kMinElementsPerThread = 1u << 15;
 int threads_for(size_t n);
 
 // Calls f(begin, end) on disjoint chunks covering [0, n); each chunk starts at a multiple of unit.
+// Every thread runs in IEEE mode (see float_mode.hpp), whatever its own.
 template <class F>
 void parallel_ranges(size_t n, size_t unit, F&& f) {
   const int t = threads_for(n);
@@ -29,6 +31,7 @@ void parallel_ranges(size_t n, size_t unit, F&& f) {
   for (int c = 0; c < t; ++c) {
     const size_t begin = static_cast<size_t>(c) * per * unit;
     const size_t end = begin + per * unit < n ? begin + per * unit : n;
+    const IeeeFloatMode ieee;
     if (begin < end) f(begin, end);
   }
 }
@@ -40,8 +43,12 @@ void parallel_items(size_t count, int threads, F&& f) {
     for (size_t i = 0; i < count; ++i) f(i);
     return;
   }
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (long long i = 0; i < static_cast<long long>(count); ++i) f(static_cast<size_t>(i));
+#pragma omp parallel num_threads(threads)
+  {
+    const IeeeFloatMode ieee;
+#pragma omp for schedule(static)
+    for (long long i = 0; i < static_cast<long long>(count); ++i) f(static_cast<size_t>(i));
+  }
 }
 
 }  // namespace gradzip::detail

@@ -65,6 +65,7 @@ void encode_topk(const Kernels& kernels, EncodeArgs a, size_t n, uint64_t k, uin
   Hist hist{};
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
+    const IeeeFloatMode ieee;
     alignas(64) uint32_t local[el::kTopkRadix] = {};
 #pragma omp for schedule(static)
     for (long long c = 0; c < static_cast<long long>(nch); ++c)
@@ -94,6 +95,7 @@ void encode_topk(const Kernels& kernels, EncodeArgs a, size_t n, uint64_t k, uin
     hist.fill(0);
 #pragma omp parallel num_threads(cand_threads) if (cand_threads > 1)
     {
+      const IeeeFloatMode ieee;
       alignas(64) uint32_t local[el::kTopkRadix] = {};
 #pragma omp for schedule(static)
       for (long long c = 0; c < static_cast<long long>(nch); ++c) {

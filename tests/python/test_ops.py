@@ -232,3 +232,25 @@ def test_random_bytes_never_crash():
             assert y.numel() == 300
         except ValueError:
             pass
+
+
+@pytest.mark.parametrize("spec", ["fp16", "bf16", "int8", "sign:block=64", "topk:0.01"])
+def test_flush_denormal_mode_of_the_caller_does_not_change_the_bytes(spec):
+    """torch.set_flush_denormal(True) sets FTZ/DAZ on the calling thread; the codecs run in IEEE
+    mode regardless (subnormal gradients, residuals and scales come out the same)."""
+    g = torch.randn(100003, generator=torch.Generator().manual_seed(3)) * 1e-39
+    expected_residual = torch.zeros_like(g)
+    expected = gradzip.encode_with_feedback(g, expected_residual, spec)
+    residual = torch.zeros_like(g)
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU has no flush-denormal mode")
+    try:
+        payload = gradzip.encode_with_feedback(g, residual, spec)
+        decoded = gradzip.decode(payload)
+    finally:
+        torch.set_flush_denormal(False)
+    assert torch.equal(payload, expected)
+    assert torch.equal(residual.view(torch.int32), expected_residual.view(torch.int32))
+    assert torch.equal(decoded.view(torch.int32), gradzip.decode(expected).view(torch.int32))
+    r = expected_residual
+    assert ((r != 0) & (r.abs() < torch.finfo(torch.float32).tiny)).any()  # subnormals exercised

@@ -2,7 +2,8 @@
 # The device check, for a GPU machine that has CUDA 13, PyTorch and CMake but no
 # GoogleTest and no internet: runs the GPU tests, the kernel benchmark and PyTorch's ops with
 # binaries built elsewhere (bench/gpu/README.md), and writes OUTDIR/RESULTS.md + the raw JSON.
-# Budget: about 7.5 minutes on one H200 (each stage has its own timeout).
+# Budget: under 9 minutes on one H200 in the worst case (each stage has its own timeout:
+# tests 180 s, sanitizers 3 x 40 s, benchmark 150 s, PyTorch ops 80 s).
 #   bench/gpu/check.sh OUTDIR        (GRADZIP_BUILD_DIR: the build folder, default build/gpu;
 #                                     PYTHON: an interpreter with torch, default python3)
 set -uo pipefail
@@ -20,15 +21,25 @@ echo "== device"
 nvidia-smi 2>&1 | tee "$out/nvidia-smi.txt" | head -15
 
 echo "== GPU tests (CPU vs GPU bytes, corrupt payloads)"
-timeout 210 "$build/tests/gpu/gradzip_gpu_tests" --gtest_output="json:$out/gpu_tests.json" \
+timeout 180 "$build/tests/gpu/gradzip_gpu_tests" --gtest_output="json:$out/gpu_tests.json" \
   >"$out/gpu_tests.log" 2>&1
 rc=$?
 tail -n 25 "$out/gpu_tests.log"
 echo "gpu tests: exit $rc"
 [ "$rc" -eq 0 ] || failed=1
 
+echo "== compute-sanitizer: memcheck, racecheck, initcheck on the GPU tests, sizes <= 4099"
+sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+for tool in memcheck racecheck initcheck; do
+  GRADZIP_GPU_TEST_MAX_N=4099 timeout 40 "$sanitizer" --tool "$tool" --error-exitcode 3 \
+    "$build/tests/gpu/gradzip_gpu_tests" >"$out/sanitizer_$tool.log" 2>&1
+  rc=$?
+  echo "compute-sanitizer $tool: exit $rc ($(grep -c '^========= [A-Z]' "$out/sanitizer_$tool.log") report lines; $out/sanitizer_$tool.log)"
+  [ "$rc" -eq 0 ] || failed=1
+done
+
 echo "== kernel benchmark (CUDA events, D2D copy baseline)"
-timeout 170 "$build/bench/gpu/gradzip_gpu_bench" --benchmark_min_time=0.05 \
+timeout 150 "$build/bench/gpu/gradzip_gpu_bench" --benchmark_min_time=0.05 \
   --benchmark_out="$out/bench.json" --benchmark_out_format=json >"$out/bench.log" 2>&1
 rc=$?
 tail -n 5 "$out/bench.log"

@@ -307,6 +307,9 @@ void launch_all(const EncodeLaunch& a, uint32_t k, bool fp16_values, uint8_t* ws
     topk_select_kernel<2><<<1, kSelectThreads, 0, a.stream>>>(st, hist2, k);
     topk_candidate_count_kernel<<<cand_grid, kThreads, 0, a.stream>>>(src, st, cand, counts);
     topk_scan_tiles_kernel<<<1, kScanThreads, 0, a.stream>>>(counts, tiles, prefix);
+  } else {
+    // No element, no scan: the write kernel still reads the (one) tile's prefix.
+    cudaMemsetAsync(prefix, 0, sizeof(uint64_t) * tiles, a.stream);
   }
   topk_write_kernel<Vec><<<tile_grid, kThreads, 0, a.stream>>>(src, a.n, st, prefix, a.out, a.header,
                                                                k, fp16_values);

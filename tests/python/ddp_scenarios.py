@@ -248,29 +248,21 @@ def session(rank, world, outdir, plan):
 
 def dead_peer(rank, world, outdir):
     """The last rank exits before step 2's backward; the others must get an error from it."""
-    model = make_model()
-    ddp = make_ddp(model, {})
-    ddp.register_comm_hook(CompressionState("int8", min_compress_numel=32), compress_hook)
-    message = "NO ERROR"
-    for step in range(4):
-        if rank == world - 1 and step == 2:
-            os._exit(0)
-        try:
-            loss_fn(ddp, *batch(step, rank)).backward()
-        except Exception as e:  # noqa: BLE001 - the message is what the test checks
-            message = f"{type(e).__name__}: {e}"
-            break
-    with open(os.path.join(outdir, f"dead_{rank}.txt"), "w") as f:
-        f.write(message)
-    os._exit(0)  # the group has lost a member: no barrier, no teardown
+    _lose_last_rank(rank, world, os.path.join(outdir, f"dead_{rank}.txt"), None, stall_s=0)
 
 
 def stuck_peer(rank, world, outdir):
     """The last rank stops answering (alive, asleep) at step 2; the others must fail within the
     timeout of the hook's process group (5 s), not wait for Gloo's default of 30 minutes."""
+    group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=5))
+    _lose_last_rank(rank, world, os.path.join(outdir, f"stuck_{rank}.txt"), group, stall_s=30)
+
+
+def _lose_last_rank(rank, world, path, group, stall_s):
+    """Trains with compress_hook on `group`; the last rank sleeps stall_s and exits at step 2. Each
+    other rank writes to `path` how long its failing backward waited and the error it got."""
     import time
 
-    group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=5))
     model = make_model()
     ddp = make_ddp(model, {})
     ddp.register_comm_hook(CompressionState("int8", process_group=group, min_compress_numel=32),
@@ -278,7 +270,7 @@ def stuck_peer(rank, world, outdir):
     message, waited = "NO ERROR", 0.0
     for step in range(4):
         if rank == world - 1 and step == 2:
-            time.sleep(30)
+            time.sleep(stall_s)
             os._exit(0)
         t0 = time.monotonic()
         try:
@@ -286,6 +278,6 @@ def stuck_peer(rank, world, outdir):
         except Exception as e:  # noqa: BLE001 - the message is what the test checks
             message, waited = f"{type(e).__name__}: {e}", time.monotonic() - t0
             break
-    with open(os.path.join(outdir, f"stuck_{rank}.txt"), "w") as f:
+    with open(path, "w") as f:
         f.write(f"{waited:.1f}\n{message}")
-    os._exit(0)
+    os._exit(0)  # the group has lost a member: no barrier, no teardown

@@ -239,17 +239,10 @@ def run_simulated(reductions: Sequence, xs: Sequence[torch.Tensor], states: Sequ
     for red, x, st in zip(reductions, xs, states):
         red.encode(x, None if st is None else st.residual)
     if reductions[0].two_phase():
-        sends = [red.send() for red in reductions]
-        cuts = []  # per rank: where each destination's bytes start in its send buffer
-        for red in reductions:
-            acc, o = 0, []
-            for s in red.send_splits():
-                o.append((acc, s))
-                acc += s
-            cuts.append(o)
+        # per rank: its send buffer cut into the bytes for each destination
+        sent = [red.send().split(red.send_splits()) for red in reductions]
         for r, red in enumerate(reductions):
-            red.recv().copy_(torch.cat([sends[i][cuts[i][r][0]:cuts[i][r][0] + cuts[i][r][1]]
-                                        for i in range(world)]))
+            red.recv().copy_(torch.cat([sent[i][r] for i in range(world)]))
         for red, st in zip(reductions, states):
             red.reduce_owner(None if st is None else st.owner_residual)
     gathered = torch.cat([red.gather_in() for red in reductions])

@@ -290,12 +290,12 @@ class CompressionState:
 
     def _reduce(self, index, bucket_view, x, layout, st, compressed):
         """Enqueues one reduction of ``x`` (the bucket's float32 values) in C++; returns its Future."""
-        cfg = self.config
-        self._stats.add(cfg.plan, layout_numels(layout), self._world, self._rank, compressed)
+        cfg, numels = self.config, layout_numels(layout)
+        self._stats.add(cfg.plan, numels, self._world, self._rank, compressed)
         if self._guard is not None:
             self._guard.save(_saved(st))  # before any update: an overflow step undoes all
         cfg.apply_direction(x, st)
-        return self._runtime.reduce(index, bucket_view, x, layout_numels(layout),
+        return self._runtime.reduce(index, bucket_view, x, numels,
                                     None if st is None else st.residual,
                                     None if st is None else st.owner_residual, compressed)
 
@@ -331,7 +331,7 @@ def compress_hook(state: "CompressionState",
     ``ddp_model.register_comm_hook(state, compress_hook)``. Returns a Future of the bucket buffer,
     reduced in place (DDP does not divide by the world size once a hook is registered: this does)."""
     buf = bucket.buffer()
-    runtime = state._setup(buf.device)
+    state._setup(buf.device)
     if state._guard_step != state.step:
         state._commit()  # first bucket of a new step: the previous step is complete
     cfg, world, rank = state.config, state._world, state._rank

@@ -34,8 +34,9 @@ int64_t slot_bytes(const Codec& codec, int64_t n) {
 
 }  // namespace
 
-BucketLayout::BucketLayout(const Codec& codec, int64_t world_, const std::vector<int64_t>& numels)
-    : world(world_) {
+BucketLayout::BucketLayout(const Codec& codec, int64_t world_, const std::vector<int64_t>& numels,
+                           Collective collective_)
+    : world(world_), collective(collective_) {
   TORCH_CHECK_VALUE(world >= 1, "gradzip: world size must be >= 1, got ", world);
   TORCH_CHECK_VALUE(!numels.empty(), "gradzip: a bucket holds at least one tensor");
   std::vector<int64_t> cuts;
@@ -45,7 +46,7 @@ BucketLayout::BucketLayout(const Codec& codec, int64_t world_, const std::vector
     cuts.push_back(n);
   }
   cuts.pop_back();  // interior boundaries only
-  two_phase = codec.kind() != CodecKind::topk;
+  two_phase = collective == Collective::reduce_scatter || codec.kind() != CodecKind::topk;
   if (!two_phase) {
     slot = slot_bytes(codec, n);
     return;
@@ -60,13 +61,16 @@ BucketLayout::BucketLayout(const Codec& codec, int64_t world_, const std::vector
     for (const int64_t m : pieces.back()) bytes += slot_bytes(codec, m);
     shard_bytes.push_back(bytes);
   }
-  slot = *std::max_element(shard_bytes.begin(), shard_bytes.end());
+  if (collective == Collective::allreduce)
+    slot = *std::max_element(shard_bytes.begin(), shard_bytes.end());
 }
 
 std::pair<int64_t, int64_t> BucketLayout::traffic(int64_t rank) const {
   if (world == 1) return {0, 0};
   if (!two_phase) return {(world - 1) * slot, (world - 1) * slot};
   const int64_t all = std::accumulate(shard_bytes.begin(), shard_bytes.end(), int64_t{0});
+  if (collective == Collective::reduce_scatter)
+    return {all - shard_bytes[rank], (world - 1) * shard_bytes[rank]};
   const int64_t sent = all - shard_bytes[rank] + (world - 1) * slot;
   const int64_t received = (world - 1) * shard_bytes[rank] + (world - 1) * slot;
   return {sent, received};
@@ -85,8 +89,11 @@ int64_t fp32_traffic(int64_t n, int64_t world) { return 2 * (world - 1) * 4 * n 
 
 BucketReduction::BucketReduction(const Codec& codec, int64_t world, int64_t rank,
                                  const std::vector<int64_t>& numels,
-                                 const at::TensorOptions& device)
-    : codec_(codec), layout_(codec, world, numels), rank_(rank), device_(device.device()) {
+                                 const at::TensorOptions& device, Collective collective)
+    : codec_(codec),
+      layout_(codec, world, numels, collective),
+      rank_(rank),
+      device_(device.device()) {
   TORCH_CHECK_VALUE(rank >= 0 && rank < world, "gradzip: rank ", rank, " outside [0, ", world, ")");
   const auto bytes = device.dtype(at::kByte);
   const int64_t w = layout_.world;
@@ -95,16 +102,18 @@ BucketReduction::BucketReduction(const Codec& codec, int64_t world, int64_t rank
   if (layout_.two_phase) {
     for (const auto& p : layout_.pieces) {
       for (const int64_t m : p) ws = std::max(ws, codec.workspace_bytes(static_cast<size_t>(m)));
-      decodes += p.size();
     }
-    decodes += static_cast<size_t>(w) * layout_.pieces[rank].size();
+    decodes = static_cast<size_t>(w) * layout_.pieces[rank].size();  // sum_shard's
+    if (collective == Collective::allreduce)
+      for (const auto& p : layout_.pieces) decodes += p.size();  // decode's
     send = at::zeros({std::accumulate(layout_.shard_bytes.begin(), layout_.shard_bytes.end(),
                                       int64_t{0})},
                      bytes);
     send_splits = layout_.shard_bytes;
     recv_splits.assign(static_cast<size_t>(w), layout_.shard_bytes[rank]);
     recv = at::empty({w * layout_.shard_bytes[rank]}, bytes);
-    accumulator_ = at::empty({layout_.shard_size(rank)}, device.dtype(at::kFloat));
+    if (collective == Collective::allreduce)
+      accumulator_ = at::empty({layout_.shard_size(rank)}, device.dtype(at::kFloat));
   } else {
     ws = codec.workspace_bytes(static_cast<size_t>(layout_.n));
     decodes = static_cast<size_t>(w);
@@ -153,12 +162,15 @@ void BucketReduction::decode_pieces(const uint8_t* wire, float* out,
 }
 
 void BucketReduction::encode(const at::Tensor& x, const at::Tensor& residual) {
+  encode(x, residual, 1.0f / static_cast<float>(layout_.world));
+}
+
+void BucketReduction::encode(const at::Tensor& x, const at::Tensor& residual, float prescale) {
   const int64_t n = layout_.n;
   check_float("bucket", x, n);
   if (residual.defined()) check_float("residual", residual, n);
   const float* in = x.const_data_ptr<float>();
   float* res = residual.defined() ? residual.data_ptr<float>() : nullptr;
-  const float prescale = 1.0f / static_cast<float>(layout_.world);
   if (!layout_.two_phase) {
     encode_pieces(in, res, gather_in.data_ptr<uint8_t>(), {n}, prescale);
     return;
@@ -171,23 +183,31 @@ void BucketReduction::encode(const at::Tensor& x, const at::Tensor& residual) {
   }
 }
 
-void BucketReduction::reduce_owner(const at::Tensor& owner_residual) {
-  TORCH_CHECK(layout_.two_phase, "gradzip: reduce_owner is a phase of the two-phase codecs");
-  if (owner_residual.defined())
-    check_float("owner residual", owner_residual, layout_.shard_size(rank_));
-  accumulator_.zero_();
-  const auto& mine = layout_.pieces[rank_];
+void BucketReduction::sum_shard(const at::Tensor& out) {
+  TORCH_CHECK(layout_.two_phase, "gradzip: sum_shard is a phase of the sharded collectives");
+  check_float("shard output", out, layout_.shard_size(rank_));
+  out.zero_();
   const int64_t bytes = layout_.shard_bytes[rank_];
   int64_t status_index = 0;
   for (int64_t i = 0; i < layout_.world; ++i)
-    decode_pieces(recv.const_data_ptr<uint8_t>() + i * bytes, accumulator_.data_ptr<float>(), mine,
-                  /*add=*/true, status_index);
+    decode_pieces(recv.const_data_ptr<uint8_t>() + i * bytes, out.data_ptr<float>(),
+                  layout_.pieces[rank_], /*add=*/true, status_index);
+}
+
+void BucketReduction::reduce_owner(const at::Tensor& owner_residual) {
+  TORCH_CHECK(layout_.two_phase && layout_.collective == Collective::allreduce,
+              "gradzip: reduce_owner is a phase of the two-phase all-reduce");
+  if (owner_residual.defined())
+    check_float("owner residual", owner_residual, layout_.shard_size(rank_));
+  sum_shard(accumulator_);
   encode_pieces(accumulator_.const_data_ptr<float>(),
                 owner_residual.defined() ? owner_residual.data_ptr<float>() : nullptr,
-                gather_in.data_ptr<uint8_t>(), mine, 1.0f);
+                gather_in.data_ptr<uint8_t>(), layout_.pieces[rank_], 1.0f);
 }
 
 void BucketReduction::decode(const at::Tensor& out) {
+  TORCH_CHECK(layout_.collective == Collective::allreduce,
+              "gradzip: decode is the last phase of the all-reduce");
   check_float("output", out, layout_.n);
   float* o = out.data_ptr<float>();
   const uint8_t* g = gathered.const_data_ptr<uint8_t>();

@@ -17,6 +17,11 @@
 // Top-k: encode the whole bucket (prescale 1/W, error feedback) into gather_in; all-gather;
 // decode-add the W payloads in rank order into zeros.
 //
+// Reduce-scatter (Collective::reduce_scatter, FSDP's gradient step, which keeps the result
+// sharded): the encode and all-to-all above for every codec, then sum_shard decodes the W
+// encodings of this rank's shard in rank order into its fp32 output. Top-k selects per
+// destination shard (k = ceil(ratio * shard size) of each), so no second phase is needed.
+//
 // Block-scaled codecs (int8, sign) encode a shard as one message per tensor piece (the shard cut
 // at the bucket's tensor boundaries): no block mixes two tensors, whose gradient scales can differ
 // by orders of magnitude (the small tensor's error, fed back, would dominate its residual). Pieces
@@ -37,17 +42,22 @@ namespace gradzip::torch_ext {
 
 constexpr int64_t kMinPiece = 64;
 
+// What the collective leaves on each rank: the average of the whole bucket, or its shard of the sum.
+enum class Collective { allreduce, reduce_scatter };
+
 // Where the bytes go: a pure function of the codec, W, n and the tensor sizes.
 struct BucketLayout {
-  BucketLayout(const Codec& codec, int64_t world, const std::vector<int64_t>& numels);
+  BucketLayout(const Codec& codec, int64_t world, const std::vector<int64_t>& numels,
+               Collective collective = Collective::allreduce);
 
   int64_t world = 1;
   int64_t n = 0;
-  bool two_phase = true;
+  Collective collective = Collective::allreduce;
+  bool two_phase = true;                     // shards exchanged by all-to-all (else: top-k's all-gather)
   std::vector<int64_t> starts;               // W + 1 shard offsets (two-phase)
   std::vector<std::vector<int64_t>> pieces;  // per shard, the lengths of its messages
   std::vector<int64_t> shard_bytes;          // per shard, its messages' bytes
-  int64_t slot = 0;                          // bytes of one all-gather contribution
+  int64_t slot = 0;                          // bytes of one all-gather contribution (all-reduce)
 
   int64_t shard_size(int64_t rank) const { return starts[rank + 1] - starts[rank]; }
   // Bytes one rank sends and receives for this bucket (an uncompressed bucket: see fp32_traffic).
@@ -64,22 +74,27 @@ int64_t fp32_traffic(int64_t n, int64_t world);
 class BucketReduction {
  public:
   BucketReduction(const Codec& codec, int64_t world, int64_t rank,
-                  const std::vector<int64_t>& numels, const at::TensorOptions& device);
+                  const std::vector<int64_t>& numels, const at::TensorOptions& device,
+                  Collective collective = Collective::allreduce);
 
   const BucketLayout& layout() const { return layout_; }
   bool two_phase() const { return layout_.two_phase; }
   int64_t rank() const { return rank_; }
 
   // x: this rank's float32 bucket (n, contiguous). residual: n floats, or undefined (no error
-  // feedback).
+  // feedback). Encodes x * prescale (the all-reduce averages: 1 / W); the residual is in those units.
   void encode(const at::Tensor& x, const at::Tensor& residual);
+  void encode(const at::Tensor& x, const at::Tensor& residual, float prescale);
+  // out: shard_size(rank) floats, set to the sum of the W received encodings of this rank's shard,
+  // decoded in rank order.
+  void sum_shard(const at::Tensor& out);
   // owner_residual: shard_size(rank) floats, or undefined.
   void reduce_owner(const at::Tensor& owner_residual);
-  // out: n floats (may be x).
+  // out: n floats (may be x). All-reduce only.
   void decode(const at::Tensor& out);
 
   // The exchanged buffers (uint8). Two-phase: all-to-all send -> recv with the splits below, then
-  // all-gather gather_in -> gathered. Top-k: only the all-gather.
+  // all-gather gather_in -> gathered. Top-k: only the all-gather. Reduce-scatter: only the all-to-all.
   at::Tensor send, recv, gather_in, gathered;
   std::vector<int64_t> send_splits, recv_splits;
   // CUDA: one 16-byte status word per decode of the last step (gradzip::cuda::decode's

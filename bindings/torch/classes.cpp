@@ -3,7 +3,8 @@
 //   CompressedAllreduce(group_name, codec, guard?)   over the registered process group of that name
 //   BucketReduction(codec, world, rank, numels)       one rank's phases, exchange done by the caller
 //   NonfiniteGuard()
-// and the layout's sizes as ops (gradzip::bucket_traffic, fp32_traffic, shard_starts).
+// and the layout's sizes as ops (gradzip::bucket_traffic, reduce_scatter_traffic, fp32_traffic,
+// shard_starts).
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -31,12 +32,22 @@ class PyBucketReduction : public torch::CustomClassHolder {
   BucketReduction r;
 };
 
-std::vector<int64_t> bucket_traffic(const std::string& spec, int64_t world, int64_t rank,
-                                    const std::vector<int64_t>& numels) {
-  const BucketLayout layout(parse_spec(spec), world, numels);
+std::vector<int64_t> traffic_of(const std::string& spec, int64_t world, int64_t rank,
+                                const std::vector<int64_t>& numels, Collective collective) {
+  const BucketLayout layout(parse_spec(spec), world, numels, collective);
   TORCH_CHECK_VALUE(rank >= 0 && rank < world, "gradzip: rank ", rank, " outside [0, ", world, ")");
   const auto [sent, received] = layout.traffic(rank);
   return {sent, received};
+}
+
+std::vector<int64_t> bucket_traffic(const std::string& spec, int64_t world, int64_t rank,
+                                    const std::vector<int64_t>& numels) {
+  return traffic_of(spec, world, rank, numels, Collective::allreduce);
+}
+
+std::vector<int64_t> reduce_scatter_traffic(const std::string& spec, int64_t world, int64_t rank,
+                                            const std::vector<int64_t>& numels) {
+  return traffic_of(spec, world, rank, numels, Collective::reduce_scatter);
 }
 
 }  // namespace
@@ -63,6 +74,12 @@ TORCH_LIBRARY_FRAGMENT(gradzip, m) {
               const std::optional<at::Tensor>& owner_residual, bool compress) -> c10::IValue {
              return self->reduce(index, bucket, x, numels, or_undefined(residual),
                                  or_undefined(owner_residual), compress);
+           })
+      .def("reduce_scatter",
+           [](const c10::intrusive_ptr<CompressedAllreduce>& self, int64_t index,
+              const at::Tensor& output, const at::Tensor& x, const std::vector<int64_t>& numels,
+              const std::optional<at::Tensor>& residual, double prescale) -> c10::IValue {
+             return self->reduce_scatter(index, output, x, numels, or_undefined(residual), prescale);
            })
       .def("check_errors", &CompressedAllreduce::check_errors);
 
@@ -92,6 +109,8 @@ TORCH_LIBRARY_FRAGMENT(gradzip, m) {
       });
 
   m.def("bucket_traffic(str spec, int world, int rank, int[] numels) -> int[]", &bucket_traffic);
+  m.def("reduce_scatter_traffic(str spec, int world, int rank, int[] numels) -> int[]",
+        &reduce_scatter_traffic);
   m.def("fp32_traffic(int n, int world) -> int", &fp32_traffic);
   m.def("shard_starts(int n, int world) -> int[]", &shard_starts);
 }

@@ -56,12 +56,13 @@ void CompressedAllreduce::serve(const std::shared_ptr<Queue>& queue) {
 }
 
 std::shared_ptr<BucketReduction> CompressedAllreduce::bucket_reduction(
-    int64_t index, const std::vector<int64_t>& numels, const at::Tensor& x) {
+    int64_t index, const std::vector<int64_t>& numels, const at::Tensor& x, Collective collective) {
   auto& cached = buckets_[index];
   if (!cached.reduction || cached.numels != numels ||
+      cached.reduction->layout().collective != collective ||
       cached.reduction->gathered.device() != x.device())
     cached = {numels, std::make_shared<BucketReduction>(codec_, world(), rank(), numels,
-                                                        x.options())};
+                                                        x.options(), collective)};
   return cached.reduction;
 }
 
@@ -97,7 +98,8 @@ c10::intrusive_ptr<c10::ivalue::Future> CompressedAllreduce::reduce(
                         bucket.device() == x.device(),
                     "gradzip: the bucket and its float32 values must match in size and device");
   compress = compress && world() > 1;
-  std::shared_ptr<BucketReduction> r = compress ? bucket_reduction(index, numels, x) : nullptr;
+  std::shared_ptr<BucketReduction> r =
+      compress ? bucket_reduction(index, numels, x, Collective::allreduce) : nullptr;
   const bool copy_back = !bucket.is_same(x);
   std::vector<c10::Device> devices;
   if (x.is_cuda()) devices.push_back(x.device());
@@ -125,32 +127,76 @@ c10::intrusive_ptr<c10::ivalue::Future> CompressedAllreduce::reduce(
     return future;
   }
   work();
-#if defined(GRADZIP_TORCH_CUDA)
-  if (r && r->decode_status.defined() && !future->hasError()) {
-    // Device side: a rejected message leaves the bucket untouched, i.e. wrong; make it NaN.
-    const at::Tensor words = r->decode_status.view(at::kLong).view({-1, 2}).select(1, 0);
-    const at::Tensor bad = words.ne(0).any();
-    bucket.masked_fill_(bad, std::numeric_limits<float>::quiet_NaN());
-    // Host side: copy the status words out asynchronously; check_errors reads them once done.
-    at::Tensor host = at::empty(r->decode_status.sizes(),
-                                r->decode_status.options().device(at::kCPU).pinned_memory(true));
-    host.copy_(r->decode_status, /*non_blocking=*/true);
-    auto event = std::make_shared<at::cuda::CUDAEvent>();
-    event->record(c10::cuda::getCurrentCUDAStream(x.device().index()));
-    const std::lock_guard<std::mutex> lock(checks_mutex_);
-    pending_checks_.push_back([host, event, index] {
-      if (!event->query()) return false;
-      const auto* w = host.const_data_ptr<int64_t>();
-      for (int64_t i = 0; i < host.numel() / 8; i += 2)
-        TORCH_CHECK_VALUE(w[i] == 0, "gradzip: bucket ", index,
-                          ": a received message failed validation on the device (corrupt payload "
-                          "or size mismatch, status word ",
-                          w[i], "); its gradient was set to NaN");
-      return true;
-    });
-  }
-#endif
+  if (r && !future->hasError()) watch_decodes(*r, bucket, index);
   return future;
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> CompressedAllreduce::reduce_scatter(
+    int64_t index, const at::Tensor& output, const at::Tensor& x, const std::vector<int64_t>& numels,
+    const at::Tensor& residual, double prescale) {
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat, "gradzip: the values to compress must be float32");
+  TORCH_CHECK_VALUE(x.is_contiguous() && output.is_contiguous() &&
+                        x.numel() == world() * output.numel() && output.device() == x.device(),
+                    "gradzip: reduce_scatter needs a contiguous input of world size (", world(),
+                    ") times the output's ", output.numel(), " elements on its device, got ",
+                    x.numel(), " elements");
+  std::shared_ptr<BucketReduction> r = bucket_reduction(index, numels, x, Collective::reduce_scatter);
+  // The sum is fp32; an output of another dtype receives it rounded once.
+  const at::Tensor sum = output.scalar_type() == at::kFloat ? output : output.to(at::kFloat);
+  std::vector<c10::Device> devices;
+  if (x.is_cuda()) devices.push_back(x.device());
+  auto future = c10::make_intrusive<c10::ivalue::Future>(
+      c10::ListType::create(c10::TensorType::get()), devices);
+  auto work = [group = group_, guard = guard_, r, output, sum, x, residual, prescale, future] {
+    try {
+      const at::NoGradGuard no_grad;
+      r->encode(x, residual, static_cast<float>(prescale));
+      group->alltoall_base(r->recv, r->send, r->recv_splits, r->send_splits)->wait();
+      r->sum_shard(sum);
+      if (guard) guard->flag(sum);
+      if (!sum.is_same(output)) output.copy_(sum);
+      future->markCompleted(c10::IValue(c10::List<at::Tensor>({output})));
+    } catch (...) {
+      future->setError(std::current_exception());
+    }
+  };
+  if (!x.is_cuda()) {
+    submit(std::move(work));
+    return future;
+  }
+  work();
+  if (!future->hasError()) watch_decodes(*r, output, index);
+  return future;
+}
+
+void CompressedAllreduce::watch_decodes(const BucketReduction& r, const at::Tensor& result,
+                                        int64_t index) {
+#if defined(GRADZIP_TORCH_CUDA)
+  if (!r.decode_status.defined()) return;
+  // Device side: a rejected message leaves the result untouched, i.e. wrong; make it NaN.
+  const at::Tensor words = r.decode_status.view(at::kLong).view({-1, 2}).select(1, 0);
+  const at::Tensor bad = words.ne(0).any();
+  result.masked_fill_(bad, std::numeric_limits<float>::quiet_NaN());
+  // Host side: copy the status words out asynchronously; check_errors reads them once done.
+  at::Tensor host = at::empty(r.decode_status.sizes(),
+                              r.decode_status.options().device(at::kCPU).pinned_memory(true));
+  host.copy_(r.decode_status, /*non_blocking=*/true);
+  auto event = std::make_shared<at::cuda::CUDAEvent>();
+  event->record(c10::cuda::getCurrentCUDAStream(result.device().index()));
+  const std::lock_guard<std::mutex> lock(checks_mutex_);
+  pending_checks_.push_back([host, event, index] {
+    if (!event->query()) return false;
+    const auto* w = host.const_data_ptr<int64_t>();
+    for (int64_t i = 0; i < host.numel() / 8; i += 2)
+      TORCH_CHECK_VALUE(w[i] == 0, "gradzip: bucket ", index,
+                        ": a received message failed validation on the device (corrupt payload "
+                        "or size mismatch, status word ",
+                        w[i], "); its gradient was set to NaN");
+    return true;
+  });
+#else
+  (void)r, (void)result, (void)index;
+#endif
 }
 
 void CompressedAllreduce::check_errors() {

@@ -1,5 +1,6 @@
-// The compressed average of DDP buckets over a c10d::ProcessGroup (Gloo, NCCL, any backend with
-// all-to-all and all-gather), usable from C++ without Python:
+// The compressed average of DDP buckets, and the compressed reduce-scatter of FSDP's gradients, over
+// a c10d::ProcessGroup (Gloo, NCCL, any backend with all-to-all and all-gather), usable from C++
+// without Python:
 //
 //   auto group = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, 2, options);
 //   gradzip::torch_ext::CompressedAllreduce reduce(group, "sign");
@@ -58,6 +59,17 @@ class CompressedAllreduce : public torch::CustomClassHolder {
                                                  const at::Tensor& residual,
                                                  const at::Tensor& owner_residual, bool compress);
 
+  // FSDP's gradient reduce-scatter: `x` (float32, world * output.numel(), shard j for rank j at
+  // [j * S, (j + 1) * S)) is encoded as x * prescale with error feedback into `residual` (numel of x,
+  // or undefined); `output` (S elements, any float dtype) receives this rank's shard of the sum,
+  // decoded in rank order in fp32. `numels`: the sizes of the tensor pieces x holds, in order
+  // (block-scaled codecs restart their blocks at each). Same threads, Future and errors as reduce().
+  c10::intrusive_ptr<c10::ivalue::Future> reduce_scatter(int64_t index, const at::Tensor& output,
+                                                         const at::Tensor& x,
+                                                         const std::vector<int64_t>& numels,
+                                                         const at::Tensor& residual,
+                                                         double prescale);
+
   // Raises the first decode error found since the last call (CUDA: among the decodes the stream
   // has completed; later ones are checked at a later call). CPU errors reach the Future instead.
   void check_errors();
@@ -79,7 +91,10 @@ class CompressedAllreduce : public torch::CustomClassHolder {
   static void serve(const std::shared_ptr<Queue>& queue);
 
   std::shared_ptr<BucketReduction> bucket_reduction(int64_t index, const std::vector<int64_t>& numels,
-                                                    const at::Tensor& x);
+                                                    const at::Tensor& x, Collective collective);
+  // CUDA: NaN-fills `result` on the device if a decode of `r`'s last step failed, and queues the
+  // host-side check of its status words for check_errors().
+  void watch_decodes(const BucketReduction& r, const at::Tensor& result, int64_t index);
   void submit(std::function<void()> job);
 
   c10::intrusive_ptr<c10d::ProcessGroup> group_;

@@ -176,9 +176,11 @@ def test_cli_errors_are_clear(tmp_path):
     assert r.returncode == 0 and "cpu-default" in r.stdout
 
 
-def test_ddp_mode_under_torchrun(tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_distributed_modes_under_torchrun(tmp_path, strategy):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", str(free_port()), "-m", "gradzip.converge", "--ddp", "--suite", "cpu-smoke",
+           "--master-port", str(free_port()), "-m", "gradzip.converge", "--strategy", strategy,
+           "--suite", "cpu-smoke",
            "--out", str(tmp_path), "--steps", "4", "--quiet"]
     # own session: on a timeout the whole group (torchrun and its ranks) is killed, not orphaned
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -190,7 +192,7 @@ def test_ddp_mode_under_torchrun(tmp_path):
         p.communicate()
         raise
     assert p.returncode == 0, stderr[-3000:]
-    assert "DDP, gloo, world 2" in stdout
-    with open(tmp_path / "ddp" / "summary.csv") as f:
+    assert f"{strategy.upper()}, gloo, world 2" in stdout
+    with open(tmp_path / strategy / "summary.csv") as f:
         rows = {row["codec"]: row for row in csv.DictReader(f)}
     assert float(rows["int8"]["compression_ratio"]) > 3.5

@@ -1,4 +1,4 @@
-// The compressed all-reduce from C++ alone, as the README's C++ section shows it: 2 processes, a
+// The compressed all-reduce (and FSDP's reduce-scatter) from C++ alone, as the README's C++ section shows it: 2 processes, a
 // ProcessGroupGloo over a FileStore, error feedback on libtorch tensors. Every result is checked
 // against a float64 reference computed here from both ranks' gradients (each process can draw
 // both: they come from seeded generators).
@@ -182,6 +182,37 @@ void check_topk(const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
   expect(err <= 1e-6, "top-k average = sum of both ranks' selections, off by " + std::to_string(err));
 }
 
+// FSDP's reduce-scatter: rank r's output is its shard of the sum of prescale * g, summed in fp32.
+void check_reduce_scatter(const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
+  constexpr int64_t shard = kN / kWorld;  // the input is W whole shards
+  const Values g0 = gradient(0, 0), g1 = gradient(1, 0), mine = gradient(my_rank, 0);
+  const int64_t lo = my_rank * shard;
+  for (const auto& [codec, prescale] : {std::pair{"fp32", 1.0}, std::pair{"bf16", 0.5}}) {
+    CompressedAllreduce reducer(group, codec);
+    at::Tensor x = to_tensor(Values(mine.begin(), mine.begin() + kWorld * shard));
+    at::Tensor residual = at::zeros_like(x);
+    at::Tensor out = at::full({shard}, NAN, at::kFloat);
+    reducer.reduce_scatter(0, out, x, {kWorld * shard}, residual, prescale)->wait();
+    const Values got = values(out), res = values(residual);
+    int64_t wrong = 0, wrong_residual = 0;
+    for (int64_t i = 0; i < shard; ++i) {
+      const double a = static_cast<float>(g0[lo + i] * prescale),
+                   b = static_cast<float>(g1[lo + i] * prescale);
+      const double want = std::string(codec) == "fp32" ? static_cast<float>(a + b)
+                                                       : static_cast<float>(bf16(a) + bf16(b));
+      if (got[i] != want) ++wrong;
+    }
+    for (int64_t i = 0; i < kWorld * shard; ++i) {
+      const double c = static_cast<float>(mine[i] * prescale);
+      if (res[i] != (std::string(codec) == "fp32" ? 0.0 : c - bf16(c))) ++wrong_residual;
+    }
+    expect(wrong == 0, std::string(codec) + " reduce-scatter: the shard of the sum (" +
+                           std::to_string(wrong) + " elements differ)");
+    expect(wrong_residual == 0, std::string(codec) + " reduce-scatter residual (" +
+                                    std::to_string(wrong_residual) + " elements differ)");
+  }
+}
+
 int run_rank(int rank, const std::string& store_path) {
   my_rank = rank;
   auto store = c10::make_intrusive<c10d::FileStore>(store_path, kWorld);
@@ -195,6 +226,7 @@ int run_rank(int rank, const std::string& store_path) {
   check_casts_and_fallback(group);
   check_int8_and_sign(group);
   check_topk(group);
+  check_reduce_scatter(group);
   group->barrier()->wait();  // finish together: a peer may still read the last collective
   return failures == 0 ? 0 : 1;
 }

@@ -66,6 +66,42 @@ def traffic(plan: Optional[CodecPlan], numels: Tuple[int, ...], world: int, rank
     return sent, received
 
 
+class TrafficStats:
+    """Bytes sent/received by this rank in the last completed step, and the compression ratio
+    against the uncompressed collective of the same tensors (for the all-reduce: an fp32 ring
+    all-reduce)."""
+
+    def __init__(self):
+        self.last = {"step": -1, "bytes_sent": 0, "bytes_received": 0, "raw_bytes": 0,
+                     "compression_ratio": 1.0, "buckets": 0, "compressed_buckets": 0}
+        self._acc = self._zero()
+
+    @staticmethod
+    def _zero():
+        return {"bytes_sent": 0, "bytes_received": 0, "raw_bytes": 0, "buckets": 0,
+                "compressed_buckets": 0}
+
+    def add(self, plan, numels, world, rank, compressed):
+        """One all-reduced bucket."""
+        numels = tuple(numels)
+        sent, received = traffic(plan if compressed else None, numels, world, rank)
+        self.add_bytes(sent, received, traffic(None, numels, world, rank)[0], compressed)
+
+    def add_bytes(self, sent: int, received: int, raw: int, compressed: bool):
+        a = self._acc
+        a["bytes_sent"] += sent
+        a["bytes_received"] += received
+        a["raw_bytes"] += raw
+        a["buckets"] += 1
+        a["compressed_buckets"] += int(compressed)
+
+    def end_step(self, step):
+        a = self._acc
+        ratio = a["raw_bytes"] / a["bytes_sent"] if a["bytes_sent"] else 1.0
+        self.last = dict(a, step=step, compression_ratio=ratio)
+        self._acc = self._zero()
+
+
 # ---- per-bucket state ------------------------------------------------------------------------------
 Layout = Tuple[int, Tuple[Tuple[object, Tuple[int, ...]], ...]]  # (n, ((key, shape), ...))
 

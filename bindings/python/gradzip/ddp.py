@@ -25,14 +25,14 @@ import torch
 import torch.distributed as dist
 
 from . import _ops  # noqa: F401  (loads the extension that defines torch.classes.gradzip)
-from .collective import (CodecPlan, StateStore, layout_numels, param_offsets, run_simulated,
-                         shard_bounds, traffic)
+from ._groups import reducing_group, require_same_config
+from .collective import (CodecPlan, StateStore, TrafficStats, layout_numels, param_offsets,
+                         run_simulated, shard_bounds)
 
 __all__ = ["CompressionState", "compress_hook", "SimulatedWorkers"]
 
 logger = logging.getLogger(__name__)
 
-_FINGERPRINT_BYTES = 256
 # 3: state kept per bucket but described per parameter (key and shape), so that it survives a
 #    re-bucketing; owner residuals carry their shard offset.
 _STATE_VERSION = 3
@@ -106,38 +106,6 @@ def _saved(st) -> list:
     return [] if st is None else [t for t in st.tensors() if t is not None]
 
 
-class _Stats:
-    """Bytes sent/received by this rank in the last completed step, and the compression ratio
-    against an uncompressed fp32 ring all-reduce of the same buckets."""
-
-    def __init__(self):
-        self.last = {"step": -1, "bytes_sent": 0, "bytes_received": 0, "raw_bytes": 0,
-                     "compression_ratio": 1.0, "buckets": 0, "compressed_buckets": 0}
-        self._acc = self._zero()
-
-    @staticmethod
-    def _zero():
-        return {"bytes_sent": 0, "bytes_received": 0, "raw_bytes": 0, "buckets": 0,
-                "compressed_buckets": 0}
-
-    def add(self, plan, numels, world, rank, compressed):
-        numels = tuple(numels)
-        sent, received = traffic(plan if compressed else None, numels, world, rank)
-        raw, _ = traffic(None, numels, world, rank)
-        a = self._acc
-        a["bytes_sent"] += sent
-        a["bytes_received"] += received
-        a["raw_bytes"] += raw
-        a["buckets"] += 1
-        a["compressed_buckets"] += int(compressed)
-
-    def end_step(self, step):
-        a = self._acc
-        ratio = a["raw_bytes"] / a["bytes_sent"] if a["bytes_sent"] else 1.0
-        self.last = dict(a, step=step, compression_ratio=ratio)
-        self._acc = self._zero()
-
-
 class CompressionState:
     """State of :func:`compress_hook`, one per DDP model (like PowerSGDState).
 
@@ -189,7 +157,7 @@ class CompressionState:
         self.process_group = process_group
         self.step = 0
         self._ef = StateStore()
-        self._stats = _Stats()
+        self._stats = TrafficStats()
         self._runtime = None  # torch.classes.gradzip.CompressedAllreduce, built at the first call
         self._guard = self.config.new_guard()
         self._guard_step = 0  # the step whose residual updates the guard holds
@@ -256,37 +224,11 @@ class CompressionState:
     def _setup(self, device):
         if self._runtime is None:
             group = self._group()
-            self._check_config(group, device)
-            reducing = group
-            if torch.device(device).type == "cpu" and group.size() > 1:
-                # CPU reductions run on a C++ thread of their own while DDP's thread issues its own
-                # collectives (the unused-parameter bitmap, buffer broadcasts) on `group`: a group
-                # of their own keeps every group's calls in one order on all ranks.
-                reducing = dist.new_group(dist.get_process_group_ranks(group),
-                                          backend=dist.get_backend(group),
-                                          timeout=_timeout(group),
-                                          use_local_synchronization=True)
+            require_same_config(self.config.describe(group.size()), group, device, "gradzip.ddp")
             self._runtime = torch.classes.gradzip.CompressedAllreduce(
-                reducing.group_name, self.config.codec, self._guard)
+                reducing_group(group, device).group_name, self.config.codec, self._guard)
             self._world, self._rank = group.size(), group.rank()
         return self._runtime
-
-    def _check_config(self, group, device) -> None:
-        """All-gathers a fixed-size description of the configuration (once, synchronously) and
-        fails on every rank if they differ."""
-        world = group.size()
-        text = self.config.describe(world).encode()[:_FINGERPRINT_BYTES]
-        mine = torch.zeros(_FINGERPRINT_BYTES, dtype=torch.uint8)
-        mine[:len(text)] = torch.tensor(list(text), dtype=torch.uint8)
-        mine = mine.to(device)
-        rows = torch.empty((world, _FINGERPRINT_BYTES), dtype=torch.uint8, device=device)
-        dist.all_gather(list(rows.unbind(0)), mine, group=group)
-        rows = rows.cpu()
-        descs = [bytes(r.tolist()).rstrip(b"\0").decode(errors="replace") for r in rows]
-        if len(set(descs)) != 1:
-            listing = "; ".join(f"rank {i}: {d}" for i, d in enumerate(descs))
-            raise ValueError("gradzip.ddp: ranks are configured differently, refusing to reduce "
-                             f"(every rank must use the same CompressionState settings): {listing}")
 
     def _reduce(self, index, bucket_view, x, layout, st, compressed):
         """Enqueues one reduction of ``x`` (the bucket's float32 values) in C++; returns its Future."""
@@ -298,15 +240,6 @@ class CompressionState:
         return self._runtime.reduce(index, bucket_view, x, numels,
                                     None if st is None else st.residual,
                                     None if st is None else st.owner_residual, compressed)
-
-
-def _timeout(group):
-    """The group's timeout (a dead or stuck peer fails a collective after it), None if unknown
-    (torch's default then)."""
-    try:
-        return group._get_backend(torch.device("cpu")).options._timeout
-    except (AttributeError, RuntimeError):
-        return None
 
 
 class _ParameterKeys:
@@ -405,7 +338,7 @@ class SimulatedWorkers:
         self.world_size = int(world_size)
         self.step = 0
         self._ef = [StateStore() for _ in range(self.world_size)]
-        self._stats = _Stats()
+        self._stats = TrafficStats()
         self._guards = [self.config.new_guard() for _ in range(self.world_size)]
         self._reductions = {}  # (bucket_index, numels, device) -> one BucketReduction per rank
         if optimizer is not None:

@@ -4,9 +4,10 @@ Finished runs are skipped and an interrupted run resumes from its last checkpoin
 command is run again (a run whose settings, code or environment changed starts over; see
 provenance.py). ``--seeds N`` repeats every run for the seeds S..S+N-1 (S from ``--seed``); the
 seed sets both the initial weights and the data. ``--jobs J`` trains J (run, seed) pairs at once,
-each in its own process, with the same results as one after the other. ``--ddp`` under
-``torchrun`` trains with real DistributedDataParallel and gradzip's ``compress_hook`` instead of
-simulated workers (one rank per worker; Gloo on CPU, NCCL on GPU).
+each in its own process, with the same results as one after the other. ``--strategy ddp`` (or
+``--ddp``) under ``torchrun`` trains with real DistributedDataParallel and gradzip's
+``compress_hook`` instead of simulated workers, ``--strategy fsdp`` with FSDP2 (``fully_shard``)
+and gradzip's compressed reduce-scatter (one rank per worker; Gloo on CPU, NCCL on GPU).
 """
 from __future__ import annotations
 
@@ -45,7 +46,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "--threads threads (default 1)")
     p.add_argument("--eval-every", type=int, help="override the test-set evaluation interval")
     p.add_argument("--fresh", action="store_true", help="discard earlier results in --out")
-    p.add_argument("--ddp", action="store_true", help="real DDP under torchrun (see above)")
+    p.add_argument("--strategy", choices=("simulated", "ddp", "fsdp"), default="simulated",
+                   help="simulated workers in one process (default), or real DDP / FSDP2 under "
+                        "torchrun (see above)")
+    p.add_argument("--ddp", action="store_const", const="ddp", dest="strategy",
+                   help="the same as --strategy ddp")
     p.add_argument("--threads", type=int, default=1,
                    help="CPU threads for torch and the gradzip codecs (default 1: on a shared "
                         "2-core machine 2 threads ran 15x slower than 1, oversubscribed)")
@@ -127,8 +132,9 @@ def main(argv=None) -> int:
         raise SystemExit("--out DIR is required")
     if min(args.threads, args.seeds, args.jobs) < 1:
         raise SystemExit("--threads, --seeds and --jobs must be >= 1")
-    if args.ddp and args.jobs != 1:
-        raise SystemExit("--jobs does not apply to --ddp (torchrun starts one process per rank)")
+    if args.strategy != "simulated" and args.jobs != 1:
+        raise SystemExit(f"--jobs does not apply to --strategy {args.strategy} (torchrun starts "
+                         "one process per rank)")
     args.argv = sys.argv[1:] if argv is None else list(argv)
     require("tqdm", "converge")  # the progress bars and the plots: if missing, fail before training
     require("matplotlib", "converge")
@@ -139,10 +145,10 @@ def main(argv=None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"suite {suite.name} needs a CUDA device and none is available "
                          "(use --device cpu to force the CPU)")
-    if args.ddp:
-        from .distributed import main_ddp
+    if args.strategy != "simulated":
+        from .distributed import main_distributed
 
-        return main_ddp(args, suite, configs, device)
+        return main_distributed(args, suite, configs, device)
     out: Path = args.out
     if args.fresh:
         clear_results(out)

@@ -1,15 +1,19 @@
-"""Mode (a): real DistributedDataParallel under torchrun, gradients reduced by ``compress_hook``.
+"""Real data parallelism under torchrun: DistributedDataParallel with gradzip's ``compress_hook``
+(``--strategy ddp``), or FSDP2 (``fully_shard`` on every encoder block and the root) with gradzip's
+compressed reduce-scatter (``--strategy fsdp``, :mod:`gradzip.fsdp`).
 
-    torchrun --nproc-per-node 4 -m gradzip.converge --ddp --suite cpu-default --out DIR
+    torchrun --nproc-per-node 4 -m gradzip.converge --strategy ddp --suite cpu-default --out DIR
 
 One rank per worker (the suite's worker count becomes the world size); rank w trains on shard w
-of the step's global batch, exactly the shard simulated worker w gets, so the two modes run the
+of the step's global batch, exactly the shard simulated worker w gets, so the modes run the
 same experiment. Gloo on CPU, NCCL on GPU (one device per local rank). The uncompressed baseline
-goes through the hook's own uncompressed path (PyTorch's allreduce_hook arithmetic) so that its
-traffic is counted the same way. Rank 0 writes the files; each rank checkpoints its own
-error-feedback residuals next to the shared checkpoint (a shared file system is assumed for
-multi-node resume). Codec time is not separable from the overlapped backward here and is
-reported as n/a.
+goes through gradzip's own uncompressed path (PyTorch's allreduce_hook arithmetic; FSDP's own
+reduce-scatter) so that its traffic is counted the same way. Under FSDP the optimizer is always
+torch's AdamW (an optimizer direction compressed by gradzip.optim needs the DDP hook). Rank 0
+writes the files; each rank checkpoints what it holds alone (its error-feedback residuals; under
+FSDP also its parameter and optimizer shards) next to the shared checkpoint (a shared file system
+is assumed for multi-node resume). Codec time is not separable from the overlapped backward here
+and is reported as n/a.
 """
 from __future__ import annotations
 
@@ -35,33 +39,72 @@ def _broadcast(obj, src: int = 0):
     return box[0]
 
 
-def train_ddp(cfg: RunConfig, out: Path, data, device, progress=None) -> dict | None:
-    from gradzip.ddp import CompressionState, compress_hook
-    from gradzip.optim import CompressedAdamW
+class _DDP:
+    """The model in DistributedDataParallel with compress_hook; the replicas' weights and
+    optimizer are in the shared checkpoint."""
 
+    name, sharded = "DDP", False
+
+    def __init__(self, cfg: RunConfig, device):
+        from gradzip.ddp import CompressionState, compress_hook
+        from gradzip.optim import CompressedAdamW
+
+        self.model = make_model(cfg, device)
+        self.forward = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None,
+                           bucket_cap_mb=cfg.bucket_cap_mb)
+        self.opt, self.sched = make_optimizer(cfg, self.model)
+        baseline = cfg.codec == BASELINE
+        self.state = CompressionState(
+            cfg.codec, error_feedback=cfg.error_feedback and not baseline,
+            min_compress_numel=_NEVER if baseline else MIN_COMPRESS_NUMEL,
+            optimizer=self.opt if isinstance(self.opt, CompressedAdamW) else None)
+        self.forward.register_comm_hook(self.state, compress_hook)
+
+
+class _FSDP:
+    """The model under FSDP2 (each encoder block and the root sharded) with gradzip's compressed
+    reduce-scatter; each rank checkpoints its own parameter and optimizer shards."""
+
+    name, sharded = "FSDP", True
+
+    def __init__(self, cfg: RunConfig, device):
+        from torch.distributed.fsdp import fully_shard
+
+        import gradzip.fsdp
+
+        self.model = self.forward = make_model(cfg, device)
+        for block in self.model.encoder.blocks:
+            fully_shard(block)
+        fully_shard(self.model)
+        self.opt, self.sched = make_optimizer(cfg, self.model, compress_direction=False)
+        baseline = cfg.codec == BASELINE
+        self.state = gradzip.fsdp.compress(
+            self.model, cfg.codec, error_feedback=cfg.error_feedback and not baseline,
+            min_compress_numel=_NEVER if baseline else MIN_COMPRESS_NUMEL)
+
+
+STRATEGIES = {"ddp": _DDP, "fsdp": _FSDP}
+
+
+def train_distributed(cfg: RunConfig, out: Path, data, device, strategy, progress=None) -> dict | None:
     rank, world = dist.get_rank(), dist.get_world_size()
     files = RunFiles(out, cfg) if rank == 0 else None
     done = _broadcast(files.done() if rank == 0 else None)
     if done is not None:
         return done
     train, test = data
-    model = make_model(cfg, device)
-    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-              bucket_cap_mb=cfg.bucket_cap_mb)
-    baseline = cfg.codec == BASELINE
-    opt, sched = make_optimizer(cfg, model)
-    state = CompressionState(cfg.codec, error_feedback=cfg.error_feedback and not baseline,
-                             min_compress_numel=_NEVER if baseline else MIN_COMPRESS_NUMEL,
-                             optimizer=opt if isinstance(opt, CompressedAdamW) else None)
-    ddp.register_comm_hook(state, compress_hook)
+    run = strategy(cfg, device)
+    model, opt, sched, state = run.model, run.opt, run.sched, run.state
     rank_ckpt = out / "checkpoints" / f"{cfg.name.replace(':', '_')}-s{cfg.seed}.rank{rank}.pt"
     start, wall = 0, 0.0
     ckpt = _broadcast(files.load_checkpoint() if rank == 0 else None)
     if ckpt is not None:
-        model.load_state_dict(ckpt["model"])
-        opt.load_state_dict(ckpt["opt"])
+        mine = torch.load(rank_ckpt, map_location=device, weights_only=False)
+        held = mine if run.sharded else ckpt
+        model.load_state_dict(held["model"])
+        opt.load_state_dict(held["opt"])
         sched.load_state_dict(ckpt["sched"])
-        state.load_state_dict(torch.load(rank_ckpt, map_location=device, weights_only=False))
+        state.load_state_dict(mine["gradzip"])
         start, wall = ckpt["step"], ckpt["wall_s"]
     if rank == 0:
         files.truncate_logs(start)
@@ -71,7 +114,7 @@ def train_ddp(cfg: RunConfig, out: Path, data, device, progress=None) -> dict | 
     for step in range(start, cfg.steps):
         t0 = time.perf_counter()
         idx = batch_indices(cfg.seed, step, n_train, world * b)[rank * b:(rank + 1) * b]
-        loss = shard_loss(ddp, cfg, train, idx, device)
+        loss = shard_loss(run.forward, cfg, train, idx, device)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -79,6 +122,11 @@ def train_ddp(cfg: RunConfig, out: Path, data, device, progress=None) -> dict | 
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss)  # for the log only: the mean over workers, as simulated
         wall += time.perf_counter() - t0
+        evaluating = eval_due(cfg, step + 1)
+        # FSDP's forward all-gathers the parameters: every rank evaluates; DDP's replicas: rank 0
+        # (the others wait in the next step's all-reduce)
+        metrics = evaluate(model, cfg, test, device) if evaluating and (run.sharded or rank == 0) \
+            else None
         if rank == 0:
             stats = state.stats
             loss_v = float(mean_loss) / world
@@ -90,16 +138,20 @@ def train_ddp(cfg: RunConfig, out: Path, data, device, progress=None) -> dict | 
                 "wall_s": wall}) + "\n")
             if progress is not None:
                 progress(step + 1, loss_v)
-            if eval_due(cfg, step + 1):  # the other ranks wait in the next step's all-reduce
-                files.log_eval(step + 1, evaluate(model, cfg, test, device))
+            if metrics is not None:
+                files.log_eval(step + 1, metrics)
         if (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
-            torch.save(state.state_dict(), rank_ckpt)
-            dist.barrier()  # every rank's residuals are on disk before the shared checkpoint
+            mine = {"gradzip": state.state_dict()}
+            if run.sharded:
+                mine.update(model=model.state_dict(), opt=opt.state_dict())
+            torch.save(mine, rank_ckpt)
+            dist.barrier()  # every rank's part is on disk before the shared checkpoint
             if rank == 0:
                 log.flush()
-                files.save_checkpoint({"step": step + 1, "wall_s": wall,
-                                       "model": model.state_dict(), "opt": opt.state_dict(),
-                                       "sched": sched.state_dict()})
+                shared = {"step": step + 1, "wall_s": wall, "sched": sched.state_dict()}
+                if not run.sharded:
+                    shared.update(model=model.state_dict(), opt=opt.state_dict())
+                files.save_checkpoint(shared)
             dist.barrier()
     res = None
     if rank == 0:
@@ -111,10 +163,12 @@ def train_ddp(cfg: RunConfig, out: Path, data, device, progress=None) -> dict | 
     return _broadcast(res)
 
 
-def main_ddp(args, suite, configs: list[RunConfig], device: torch.device) -> int:
+def main_distributed(args, suite, configs: list[RunConfig], device: torch.device) -> int:
     if "RANK" not in os.environ:
-        raise SystemExit("--ddp runs under torchrun, e.g. torchrun --nproc-per-node 4 "
-                         "-m gradzip.converge --ddp --suite cpu-smoke --out DIR")
+        raise SystemExit(f"--strategy {args.strategy} runs under torchrun, e.g. torchrun "
+                         f"--nproc-per-node 4 -m gradzip.converge --strategy {args.strategy} "
+                         "--suite cpu-smoke --out DIR")
+    strategy = STRATEGIES[args.strategy]
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -123,7 +177,7 @@ def main_ddp(args, suite, configs: list[RunConfig], device: torch.device) -> int
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         configs = [replace(c, workers=world) for c in configs]
-        out: Path = args.out / "ddp"
+        out: Path = args.out / args.strategy
         if rank == 0:
             if args.fresh:
                 clear_results(out)
@@ -141,11 +195,11 @@ def main_ddp(args, suite, configs: list[RunConfig], device: torch.device) -> int
                     data = load_data(cfg, out / "data")
             bar = Progress(cfg, args.quiet or rank != 0)
             try:
-                results[cfg] = train_ddp(cfg, out, data, device, progress=bar)
+                results[cfg] = train_distributed(cfg, out, data, device, strategy, progress=bar)
             finally:
                 bar.close()
         if rank == 0:
-            summarise(out, f"{suite.name} (DDP, {backend}, world {world})", configs,
+            summarise(out, f"{suite.name} ({strategy.name}, {backend}, world {world})", configs,
                       [results[c] for c in configs])
     finally:
         dist.destroy_process_group()

@@ -3,8 +3,8 @@
 The same run is defined for both modes: at step s the global batch is drawn from a generator
 seeded by (seed, s) and split into W equal shards, shard w going to worker (or rank) w. In the
 simulated mode (``train_simulated``) one process computes the W shard gradients one after the
-other and hands them to ``Reducer``; in the DDP mode (``distributed.train_ddp``) rank w computes
-shard w and ``compress_hook`` reduces. Runs resume from their last checkpoint bit for bit: the
+other and hands them to ``Reducer``; in the DDP and FSDP modes (``distributed.train_distributed``)
+rank w computes shard w and ``compress_hook`` (or gradzip.fsdp's reduce-scatter) reduces. Runs resume from their last checkpoint bit for bit: the
 batch of a step does not depend on earlier steps, and the checkpoint carries model, optimiser,
 scheduler and error-feedback state.
 
@@ -157,15 +157,16 @@ def compresses_direction(cfg: RunConfig) -> bool:
     return canonical_codec(cfg.codec) != BASELINE and recipe(cfg.codec, "adamw")
 
 
-def make_optimizer(cfg: RunConfig, model: torch.nn.Module):
+def make_optimizer(cfg: RunConfig, model: torch.nn.Module, compress_direction: bool = True):
     """AdamW, or gradzip's CompressedAdamW where the codec's recipe compresses the direction (then
-    the Reducer or CompressionState must be given the optimizer)."""
+    the Reducer or CompressionState must be given the optimizer) and ``compress_direction``
+    allows it (not under FSDP)."""
     decay, no_decay = [], []
     for n, p in model.named_parameters():  # no decay on norms, biases, tokens and LayerScale
         (no_decay if p.ndim <= 1 or n.endswith(("cls_token", "pos_embed")) else decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    if compresses_direction(cfg):
+    if compress_direction and compresses_direction(cfg):
         opt = CompressedAdamW(groups, lr=cfg.lr)  # betas and eps: AdamW's defaults, as below
     else:
         opt = torch.optim.AdamW(groups, lr=cfg.lr)

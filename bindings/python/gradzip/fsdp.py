@@ -1,0 +1,350 @@
+"""Compressed gradient reduce-scatter with error feedback for FSDP2 (``fully_shard``).
+
+    from torch.distributed.fsdp import fully_shard
+    import gradzip.fsdp
+
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    state = gradzip.fsdp.compress(model, "int8")   # before the first backward
+    # ... train as usual; state.stats, state.state_dict() / load_state_dict()
+
+FSDP keeps gradients sharded, so its gradient step is a reduce-scatter, not an all-reduce: each
+rank encodes the W shards of its unsharded gradient (error feedback on the whole unsharded
+gradient, one residual per FSDP parameter group), sends shard j to rank j (one all-to-all), and
+decodes the W encodings of its own shard in rank order, summing in fp32. No second phase: the
+sum is the sharded gradient. Top-k selects per destination shard (k = ceil(ratio * shard) of each).
+The reduction is C++ (``torch.classes.gradzip.CompressedAllreduce.reduce_scatter``, the encode,
+all-to-all and fp32 sum of the DDP hook's reduction, see bindings/torch/bucket_reduction.hpp).
+
+FSDP's own rules hold: the gradient arrives in FSDP's reduce dtype (``MixedPrecisionPolicy``) and
+the result is returned in it; FSDP's divide factors are kept (``AVG`` averages, the pre- and
+post-division FSDP applies around a ``SUM`` stay FSDP's, ``set_gradient_divide_factor`` scales by
+1/factor); the shards are FSDP's, padding included (padded elements are zero on the wire and in
+the residual). HSDP's replica all-reduce, where configured, stays uncompressed.
+"""
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+from . import _ops  # noqa: F401  (loads the extension that defines torch.classes.gradzip)
+from ._groups import reducing_group, require_same_config
+from .collective import CodecPlan, TrafficStats, _tuplify
+
+__all__ = ["compress", "FSDPCompressionState", "CompressedReduceScatter"]
+
+logger = logging.getLogger(__name__)
+
+_STATE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class _Param:
+    fqn: str
+    size: Tuple[int, ...]  # the unsharded parameter's
+    shard_dim: int
+
+
+@dataclass(frozen=True)
+class _GroupLayout:
+    """Where one FSDP parameter group's gradient lies in FSDP's reduce-scatter input: W rows of S
+    elements, row j = every parameter's chunk j (dim 0 padded to a multiple of W), in order."""
+
+    world: int
+    params: Tuple[_Param, ...]
+
+    @property
+    def chunks(self) -> List[int]:
+        """Elements of each parameter's chunk in a row."""
+        out = []
+        for p in self.params:
+            numel = math.prod(p.size)
+            if p.shard_dim == 0 and p.size:
+                rows = -(-p.size[0] // self.world)
+                out.append(rows * (numel // p.size[0]) if p.size[0] else 0)
+            else:
+                out.append(numel // self.world)
+        return out
+
+    @property
+    def shard(self) -> int:
+        return sum(self.chunks)
+
+    @property
+    def numels(self) -> List[int]:
+        """The pieces of the input, in order (block-scaled codecs restart their blocks at each)."""
+        return [c for _ in range(self.world) for c in self.chunks if c]
+
+    def padding(self) -> torch.Tensor:
+        """Indices of the input's padding elements (FSDP's zero rows past a parameter's dim 0)."""
+        index, row = [], 0
+        for j in range(self.world):
+            for p, c in zip(self.params, self.chunks):
+                if p.shard_dim == 0 and p.size and c:
+                    per_row = c // -(-p.size[0] // self.world)
+                    real = max(0, min(c, (p.size[0] - j * (c // per_row)) * per_row))
+                    index.extend(range(row + real, row + c))
+                row += c
+        return torch.tensor(index, dtype=torch.long)
+
+    def describe(self) -> tuple:
+        return (self.world, tuple((p.fqn, p.size, p.shard_dim) for p in self.params))
+
+
+class _GroupState:
+    __slots__ = ("layout", "residual", "padding")
+
+    def __init__(self, layout: _GroupLayout, residual: Optional[torch.Tensor]):
+        self.layout, self.residual = layout, residual
+        self.padding = layout.padding()
+
+
+class CompressedReduceScatter(ReduceScatter):
+    """The ``ReduceScatter`` that :func:`compress` installs on one FSDP parameter group
+    (``FSDPModule.set_custom_reduce_scatter``); it reduces through its shared state."""
+
+    def __init__(self, state: "FSDPCompressionState", index: int, param_group):
+        self._state, self._index, self._param_group = state, index, param_group
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: dist.ProcessGroup, op, async_op: bool = False) -> Optional[dist.Work]:
+        return self._state._reduce_scatter(self._index, output_tensor, input_tensor, group, op,
+                                           async_op, self._param_group.gradient_divide_factor)
+
+
+class FSDPCompressionState:
+    """State of the compressed reduce-scatter of every FSDP parameter group under one root (made by
+    :func:`compress`).
+
+    ``stats`` holds the last completed step's traffic of this rank (``bytes_sent``,
+    ``bytes_received``, ``raw_bytes`` = what FSDP's own reduce-scatter of the same input in its
+    reduce dtype sends, ``compression_ratio`` = raw / sent). A step ends when every parameter group
+    has been reduced once (or one is reduced again). ``state_dict()`` / ``load_state_dict()`` carry
+    the residuals (one per parameter group, checked against the group's parameters, sizes and
+    world size) and the step count; the state pickles without process groups or modules.
+
+    The first reduce-scatter checks, with one small all-gather, that every rank uses the same
+    configuration and parameter groups, and raises ``ValueError`` on all ranks otherwise. On CPU
+    tensors the reduction runs on a process group of its own (same ranks, backend and timeout),
+    created at that call; on CUDA tensors on FSDP's group, in its reduce-scatter stream.
+    """
+
+    def __init__(self, codec: str, error_feedback: bool = True, warmup_steps: int = 0,
+                 min_compress_numel: int = 4096, guard_nonfinite: bool = True):
+        self.plan = CodecPlan.parse(codec)
+        if warmup_steps < 0 or min_compress_numel < 0:
+            raise ValueError("gradzip: warmup_steps and min_compress_numel must be >= 0")
+        self.error_feedback = bool(error_feedback)
+        self.warmup_steps = int(warmup_steps)
+        self.min_compress_numel = int(min_compress_numel)
+        self.guard_nonfinite = bool(guard_nonfinite)
+        self.step = 0
+        self._params: Dict[int, Tuple[_Param, ...]] = {}  # per group index, set by compress()
+        self._groups: Dict[int, _GroupState] = {}
+        self._loaded: Dict[int, dict] = {}  # checkpointed groups not yet reduced in this process
+        self._reduced = set()  # group indices reduced in the current step
+        self._stats = TrafficStats()
+        self._runtime = None
+        self._group_name = None
+        self._guard = self._new_guard()
+        self._guard_step = 0
+
+    @property
+    def codec(self) -> str:
+        return self.plan.spec
+
+    @property
+    def stats(self) -> dict:
+        return dict(self._stats.last)
+
+    def describe(self, world: int) -> str:
+        groups = ",".join(f"{i}:{len(p)}:{sum(math.prod(q.size) for q in p)}"
+                          for i, p in sorted(self._params.items()))
+        return (f"codec={self.plan.spec} error_feedback={int(self.error_feedback)} "
+                f"warmup_steps={self.warmup_steps} min_compress_numel={self.min_compress_numel} "
+                f"guard_nonfinite={int(self.guard_nonfinite)} world={world} groups={groups}")
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        self._commit()
+        groups = {i: {"layout": g.layout.describe(),
+                      "residual": None if g.residual is None else g.residual.detach().clone()}
+                  for i, g in self._groups.items()}
+        groups.update({i: d for i, d in self._loaded.items() if i not in groups})
+        return {"version": _STATE_VERSION, "codec": self.plan.spec, "step": self.step,
+                "error_feedback": self.error_feedback, "groups": groups}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("version") != _STATE_VERSION:
+            raise ValueError(f"gradzip: unsupported FSDPCompressionState version "
+                             f"{state.get('version')} (this gradzip reads version {_STATE_VERSION})")
+        if state["codec"] != self.plan.spec or bool(state["error_feedback"]) != self.error_feedback:
+            raise ValueError(f"gradzip: checkpoint was saved with codec {state['codec']!r}, "
+                             f"error_feedback={state['error_feedback']}; this state uses "
+                             f"{self.plan.spec!r}, error_feedback={self.error_feedback}")
+        unknown = set(state["groups"]) - set(self._params)
+        if unknown:
+            raise ValueError(f"gradzip: checkpoint holds parameter groups {sorted(unknown)} that "
+                             f"this model does not have ({len(self._params)} groups)")
+        self._commit()
+        self.step = int(state["step"])
+        self._groups, self._reduced = {}, set()
+        self._loaded = {int(i): d for i, d in state["groups"].items()}
+
+    def __getstate__(self):
+        self._commit()
+        d = dict(self.__dict__)
+        d["_runtime"], d["_guard"], d["_group_name"] = None, None, None
+        return d
+
+    def __setstate__(self, d):
+        self.__dict__.update(d)
+        self._guard = self._new_guard()
+        self._guard_step = self.step
+
+    # -- internals --------------------------------------------------------------------------------
+    def _new_guard(self):
+        return torch.classes.gradzip.NonfiniteGuard() \
+            if self.guard_nonfinite and self.error_feedback else None
+
+    def _commit(self) -> None:
+        """Settles the finished step: restores the residuals if a reduced shard was not finite, and
+        raises a decode error the device has reported."""
+        if self._guard is not None:
+            self._guard.commit()
+        self._guard_step = self.step
+        if self._runtime is not None:
+            self._runtime.check_errors()
+
+    def _end_step(self) -> None:
+        self._stats.end_step(self.step)
+        self.step += 1
+        self._reduced = set()
+
+    def _setup(self, group, device) -> None:
+        if self._runtime is None:
+            require_same_config(self.describe(group.size()), group, device, "gradzip.fsdp")
+            self._runtime = torch.classes.gradzip.CompressedAllreduce(
+                reducing_group(group, device).group_name, self.plan.spec, self._guard)
+            self._group_name = group.group_name
+        elif group.group_name != self._group_name:
+            raise ValueError("gradzip.fsdp: every parameter group must reduce over the same "
+                             f"process group (got {group.group_name!r} after "
+                             f"{self._group_name!r})")
+
+    def _group_state(self, index: int, world: int, device) -> _GroupState:
+        layout = _GroupLayout(world, self._params[index])
+        st = self._groups.get(index)
+        if st is None:
+            residual = None
+            if self.error_feedback:
+                residual = torch.zeros(world * layout.shard, dtype=torch.float32, device=device)
+            saved = self._loaded.pop(index, None)
+            if saved is not None:
+                if _tuplify(saved["layout"]) != layout.describe():
+                    raise ValueError(f"gradzip.fsdp: parameter group {index}: the checkpoint's "
+                                     f"layout {saved['layout']} is not this model's "
+                                     f"{layout.describe()} (another model or world size?)")
+                if residual is not None and saved["residual"] is not None:
+                    residual.copy_(saved["residual"])
+            st = self._groups[index] = _GroupState(layout, residual)
+            st.padding = st.padding.to(device)
+        return st
+
+    def _prescale(self, op, world: int, divide_factor: Optional[float]) -> float:
+        kind = getattr(op, "op", op)  # a ReduceOp (premul_sum) or its RedOpType
+        if kind == dist.ReduceOp.AVG:
+            return 1.0 / world
+        if kind == dist.ReduceOp.SUM:
+            return 1.0
+        if kind == dist.ReduceOp.PREMUL_SUM and divide_factor:
+            return 1.0 / float(divide_factor)
+        raise ValueError(f"gradzip.fsdp: unsupported reduce-scatter op {op} (AVG, SUM or FSDP's "
+                         "divide factor)")
+
+    def _reduce_scatter(self, index, output, input, group, op, async_op, divide_factor):
+        world, rank = group.size(), group.rank()
+        if self._guard_step != self.step:
+            self._commit()  # first reduction of a new step: the previous one is complete
+        if index in self._reduced:
+            self._end_step()  # a group not reduced in the last step (no gradient): end it here
+            self._commit()
+        self._setup(group, input.device)
+        st = self._group_state(index, world, input.device)
+        if input.numel() != world * st.layout.shard or output.numel() != st.layout.shard:
+            raise ValueError(f"gradzip.fsdp: parameter group {index}: reduce-scatter of "
+                             f"{input.numel()} -> {output.numel()} elements, its parameters make "
+                             f"{world} x {st.layout.shard} (parameters changed after compress()?)")
+        compressed = (self.step >= self.warmup_steps
+                      and input.numel() >= max(self.min_compress_numel, world))
+        item = input.element_size()
+        raw = (world - 1) * st.layout.shard * item
+        if compressed:
+            sent, received = _ops.reduce_scatter_traffic(self.plan.spec, world, rank,
+                                                         st.layout.numels)
+        else:
+            sent = received = raw
+        self._stats.add_bytes(sent, received, raw, compressed)
+        self._reduced.add(index)
+        if len(self._reduced) == len(self._params):
+            self._end_step()
+        if not compressed:
+            return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+        x = input.reshape(-1)
+        x = x if x.dtype == torch.float32 else x.float()
+        if st.residual is not None:
+            if self._guard is not None:
+                self._guard.save([st.residual])  # before the update: an overflow step undoes it
+            st.residual.index_fill_(0, st.padding, 0.0)  # padding is zero, as FSDP pads it
+        fut = self._runtime.reduce_scatter(index, output.view(-1), x, st.layout.numels,
+                                           st.residual, self._prescale(op, world, divide_factor))
+        if async_op:
+            return torch._C._distributed_c10d._create_work_from_future(fut)
+        fut.wait()
+        return None
+
+
+def compress(root: torch.nn.Module, codec: str, error_feedback: bool = True,
+             warmup_steps: int = 0, min_compress_numel: int = 4096,
+             guard_nonfinite: bool = True) -> FSDPCompressionState:
+    """Installs a compressed reduce-scatter on every FSDP module under ``root`` (already wrapped
+    with ``fully_shard``, ``root`` included) and returns their shared state.
+
+    Args:
+        codec: ``"bf16"``, ``"fp16"``, ``"int8[:block=N]"``, ``"sign[:block=N]"``,
+            ``"topk:RATIO[:values=fp16]"`` (as the DDP hook's).
+        error_feedback: keep a residual of the unsharded gradient per parameter group on each rank.
+        warmup_steps: the first steps use FSDP's own reduce-scatter.
+        min_compress_numel: parameter groups with fewer unsharded gradient elements use FSDP's own
+            reduce-scatter (headers and latency dominate there).
+        guard_nonfinite: when a reduced shard of a step holds Inf/NaN (an AMP overflow step,
+            which GradScaler skips), every residual keeps its value of before the step.
+    """
+    state = FSDPCompressionState(codec, error_feedback, warmup_steps, min_compress_numel,
+                                 guard_nonfinite)
+    names = {id(p): n for n, p in root.named_parameters(remove_duplicate=False)}
+    modules = [m for m in root.modules() if isinstance(m, FSDPModule)]
+    if not modules:
+        raise TypeError("gradzip.fsdp.compress: no module under root is wrapped with fully_shard")
+    for module in modules:
+        group = module._get_fsdp_state()._fsdp_param_group
+        if group is None:
+            continue  # manages no parameters of its own
+        index = len(state._params)
+        state._params[index] = tuple(
+            _Param(names.get(id(p.sharded_param), f"{index}.{k}"), tuple(p._orig_size),
+                   int(p.fsdp_placement.dim))
+            for k, p in enumerate(group.fsdp_params))
+        module.set_custom_reduce_scatter(CompressedReduceScatter(state, index, group))
+    return state
+

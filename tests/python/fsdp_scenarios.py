@@ -1,0 +1,218 @@
+"""What each Gloo rank runs for test_fsdp.py: FSDP2 (``fully_shard``) models with and without
+gradzip's compressed reduce-scatter; every scenario saves what it saw to outdir/<name>_<rank>.pt."""
+
+import copy
+import io
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+import gradzip.fsdp
+
+# dim 0 of 65 and 7 rows: FSDP pads the last rank's shard for W = 2 and 3
+IN, HIDDEN, OUT = 33, 65, 7
+
+
+def make_model(policy=None, divide_factor=None):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, HIDDEN), nn.Tanh(),
+                          nn.Linear(HIDDEN, OUT))
+    kw = {} if policy is None else {"mp_policy": policy}
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, **kw)
+    fully_shard(model, **kw)
+    if divide_factor is not None:
+        for layer in model.modules():  # the factor is each FSDP module's own
+            if isinstance(layer, FSDPModule):
+                layer.set_gradient_divide_factor(divide_factor)
+    return model
+
+
+def batch(step, rank):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(16, IN, generator=g)
+    return x, torch.randn(16, OUT, generator=g)
+
+
+def loss_of(model, step, rank, scale=1.0):
+    x, y = batch(step, rank)
+    return (model(x) - y).pow(2).mean() * scale
+
+
+def local_grads(model):
+    return [p.grad.to_local().detach().clone() for p in model.parameters()]
+
+
+def local_params(model):
+    return [p.detach().to_local().clone() for p in model.parameters()]
+
+
+def full_params(model):
+    return [p.detach().full_tensor().clone() for p in model.parameters()]
+
+
+def make_optimizer(name, params):
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
+
+
+def _save(outdir, name, rank, obj):
+    torch.save(obj, os.path.join(outdir, f"{name}_{rank}.pt"))
+
+
+def step0(rank, world, outdir, codecs):
+    """Step-0 sharded gradients of each codec next to uncompressed FSDP2's, under FSDP's default
+    policy (an AVG reduce-scatter), bf16 and fp16 reduce dtypes (fp16: FSDP divides before and
+    after a SUM) and a gradient divide factor of 1 (a PREMUL_SUM op, which Gloo lacks: there the
+    reference is W x the default's)."""
+    policies = {"default": (None, None),
+                "reduce_bf16": (MixedPrecisionPolicy(reduce_dtype=torch.bfloat16), None),
+                "reduce_fp16": (MixedPrecisionPolicy(reduce_dtype=torch.float16), None),
+                "divide_1": (None, 1.0)}
+    out = {}
+    for pname, (policy, factor) in policies.items():
+        if factor is None:
+            model = make_model(policy)
+            loss_of(model, 0, rank).backward()
+            out[(pname, None)] = local_grads(model)
+        else:
+            out[(pname, None)] = [g * world / factor for g in out[("default", None)]]
+        for codec in codecs:
+            model = make_model(policy, factor)
+            state = gradzip.fsdp.compress(model, codec, min_compress_numel=0)
+            loss_of(model, 0, rank).backward()
+            out[(pname, codec)] = local_grads(model)
+            out[(pname, codec, "stats")] = state.stats
+    _save(outdir, "step0", rank, out)
+
+
+def train(rank, world, outdir, codecs, steps=4):
+    """A few optimizer steps per codec and optimizer; the full parameters of every rank."""
+    out = {}
+    for codec in codecs:
+        for opt_name in ("sgd", "adamw"):
+            model = make_model()
+            if codec is not None:
+                gradzip.fsdp.compress(model, codec, min_compress_numel=0)
+            opt = make_optimizer(opt_name, model.parameters())
+            losses = []
+            for step in range(steps):
+                loss = loss_of(model, step, rank)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+            out[(codec, opt_name)] = {"params": full_params(model), "losses": losses}
+    _save(outdir, "train", rank, out)
+
+
+def nonfinite(rank, world, outdir, codecs):
+    """Rank 0's gradient is Inf/NaN at step 1: every rank's sharded gradient must show it, and the
+    residuals must be those of before the step (GradScaler skips such a step)."""
+    out = {}
+    for codec in codecs:
+        model = make_model()
+        state = gradzip.fsdp.compress(model, codec, min_compress_numel=0)
+        log = []
+        for step in range(3):
+            scale = float("inf") if (step == 1 and rank == 0) else 1.0
+            before = {i: g.residual.clone() for i, g in state._groups.items()}
+            loss_of(model, step, rank, scale).backward()
+            grads = local_grads(model)
+            saved = state.state_dict()["groups"]  # commits the step
+            after = {i: d["residual"] for i, d in saved.items()}
+            log.append({"grads_finite": all(torch.isfinite(g).all().item() for g in grads),
+                        "residuals_restored": bool(before) and all(
+                            torch.equal(before[i], after[i]) for i in before),
+                        "residuals_finite": all(torch.isfinite(r).all().item() for r in after.values())})
+            for p in model.parameters():
+                p.grad = None
+        out[codec] = log
+    _save(outdir, "nonfinite", rank, out)
+
+
+def resume(rank, world, outdir, codecs, steps=4, at=2):
+    """Training interrupted after `at` steps (model shards, optimizer and gradzip state saved and
+    loaded into fresh objects, the gradzip state also through pickle) against the uninterrupted run."""
+    out = {}
+    for codec in codecs:
+        def build():
+            model = make_model()
+            state = gradzip.fsdp.compress(model, codec, min_compress_numel=0)
+            return model, state, make_optimizer("adamw", model.parameters())
+
+        def run(model, opt, first, last):
+            for step in range(first, last):
+                loss_of(model, step, rank).backward()
+                opt.step()
+                opt.zero_grad()
+
+        model, state, opt = build()
+        run(model, opt, 0, steps)
+        uninterrupted = local_params(model)
+
+        model, state, opt = build()
+        run(model, opt, 0, at)
+        saved = {"params": local_params(model), "opt": copy.deepcopy(opt.state_dict()),
+                 "gradzip": state.state_dict()}
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        buf.seek(0)
+        unpickled = torch.load(buf, weights_only=False)
+        model, state, opt = build()
+        with torch.no_grad():
+            for p, v in zip(model.parameters(), saved["params"]):
+                p.to_local().copy_(v)
+        opt.load_state_dict(saved["opt"])
+        state.load_state_dict(unpickled.state_dict())
+        run(model, opt, at, steps)
+        out[codec] = {"uninterrupted": uninterrupted, "resumed": local_params(model),
+                      "saved_step": saved["gradzip"]["step"],
+                      "residual_norm": sum(float(d["residual"].norm())
+                                           for d in saved["gradzip"]["groups"].values())}
+    _save(outdir, "resume", rank, out)
+
+
+def async_call(rank, world, outdir, codec):
+    """The installed ReduceScatter called with async_op=True returns a Work whose wait() leaves the
+    decoded shard in the output; equal to the synchronous call of a second, identical state."""
+    results = []
+    for async_op in (True, False):
+        model = make_model()
+        gradzip.fsdp.compress(model, codec, min_compress_numel=0)
+        group = model[0]._get_fsdp_state()._fsdp_param_group
+        comm = group._reduce_scatter_comm
+        shard = sum(p.padded_sharded_param_size.numel() for p in group.fsdp_params)
+        g = torch.Generator().manual_seed(rank)
+        x = torch.randn(world * shard, generator=g)
+        y = torch.full((shard,), float("nan"))
+        work = comm(y, x, dist.group.WORLD, dist.ReduceOp.AVG, async_op=async_op)
+        if async_op:
+            assert work is not None
+            work.wait()
+        results.append(y)
+    _save(outdir, "async", rank, {"async": results[0], "sync": results[1]})
+
+
+def mismatched(rank, world, outdir, codecs):
+    model = make_model()
+    gradzip.fsdp.compress(model, codecs[rank % len(codecs)], min_compress_numel=0)
+    try:
+        loss_of(model, 0, rank).backward()
+        msg = "no error"
+    except ValueError as e:
+        msg = str(e)
+    with open(os.path.join(outdir, f"mismatch_{rank}.txt"), "w") as f:
+        f.write(msg)
+
+
+def session(rank, world, outdir, plan):
+    """Runs several scenarios in one set of processes (spawning ranks costs seconds each)."""
+    for name, args in plan:
+        globals()[name](rank, world, outdir, *args)
+        dist.barrier()

@@ -1,4 +1,5 @@
-"""Python side of bench/netem/run.sh: one DDP rank, the no-communication baseline, the report.
+"""Python side of bench/netem/run.sh: one DDP (or FSDP2) rank, the no-communication baseline, the
+report.
 
   driver.py rank   --rank R --addr A --port P --ifname IF --hook H --json OUT ...   (in a netns)
   driver.py single --json OUT ...                                  the step with no communication
@@ -9,6 +10,12 @@ with SILog and AdamW for --warmup + --steps steps and records the wall time of e
 backward including DDP's communication, optimizer) and the bytes its interface sent during the
 timed steps (the kernel's counter: real bytes on the wire, TCP/IP and Ethernet headers included).
 Scenes are rendered before the first step, as a data loader would have them ready.
+
+Hooks named ``fsdp-*`` train the model under FSDP2 instead (``fully_shard`` on every encoder block
+and the root): ``fsdp-none`` is FSDP's own fp32 reduce-scatter, ``fsdp-torch-bf16`` FSDP with a
+bf16 reduce dtype (PyTorch's bar), ``fsdp-CODEC`` gradzip.fsdp's compressed reduce-scatter. Their
+rows compare against ``fsdp-none`` and ``fsdp-torch-bf16``; the cost model predicts the DDP rows
+only.
 """
 
 from __future__ import annotations
@@ -148,6 +155,27 @@ def train(model, opt, batches) -> tuple[list[float], list[float]]:
     return times, losses
 
 
+FSDP_PREFIX = "fsdp-"
+
+
+def build_fsdp(args, hook: str, guard_nonfinite: bool):
+    """The model under FSDP2 for an ``fsdp-*`` hook (see the module's docstring)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = build(args)
+    codec = hook[len(FSDP_PREFIX):]
+    policy = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16) if codec == "torch-bf16" else \
+        MixedPrecisionPolicy()
+    for block in model.encoder.blocks:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    if codec not in ("none", "torch-bf16"):
+        import gradzip.fsdp
+
+        gradzip.fsdp.compress(model, codec, guard_nonfinite=guard_nonfinite)
+    return model
+
+
 def optimizer(model):
     return torch.optim.AdamW(model.parameters(), lr=1e-4)
 
@@ -157,7 +185,7 @@ def cmd_rank(args) -> int:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.set_num_threads(args.threads)
-    if not args.hook.startswith(("none", "torch-", "powersgd")):
+    if not args.hook.startswith(("none", "torch-", "powersgd", "fsdp-none", "fsdp-torch-")):
         import gradzip
 
         gradzip.set_num_threads(args.threads)  # the codecs get the rank's share of the cores too
@@ -165,8 +193,11 @@ def cmd_rank(args) -> int:
     dist.init_process_group("gloo", init_method=f"tcp://{args.addr}:{args.port}", rank=args.rank,
                             world_size=2, timeout=timedelta(seconds=args.timeout))
     batches = make_batches(args, args.rank, 2, args.warmup + args.steps)
-    ddp = DDP(build(args))  # DDP's defaults: 25 MB buckets, every parameter used
-    register_hook(ddp, args.hook, args.guard_nonfinite)
+    if args.hook.startswith(FSDP_PREFIX):
+        ddp = build_fsdp(args, args.hook, args.guard_nonfinite)
+    else:
+        ddp = DDP(build(args))  # DDP's defaults: 25 MB buckets, every parameter used
+        register_hook(ddp, args.hook, args.guard_nonfinite)
     opt = optimizer(ddp)
     _, warm_losses = train(ddp, opt, batches[: args.warmup])
     # The timed window: the bytes sent from the end of the warm-up to the end of the last step.
@@ -176,7 +207,8 @@ def cmd_rank(args) -> int:
     tx1 = tx_bytes(args.ifname)
     dist.barrier()
     dist.destroy_process_group()
-    shapes = [list(p.shape) for p in ddp.module.parameters() if p.requires_grad]
+    module = getattr(ddp, "module", ddp)
+    shapes = [list(p.shape) for p in module.parameters() if p.requires_grad]
     write_json(args.json, dict(hook=args.hook, rank=args.rank, step_times=times,
                                tx_bytes_per_step=(tx1 - tx0) / max(1, len(times)),
                                loss_first=warm_losses[0], loss_last=losses[-1], shapes=shapes,
@@ -244,19 +276,29 @@ def cmd_report(args) -> int:
     base = {r["hook"]: r for r in rows if r["ok"]}
     t_none = base["none"]["median"] if "none" in base else math.nan
     t_bf16 = base["torch-bf16"]["median"] if "torch-bf16" in base else math.nan
+    # FSDP rows against FSDP's own reduce-scatter, fp32 and bf16
+    f_none = base["fsdp-none"]["median"] if "fsdp-none" in base else math.nan
+    f_bf16 = base["fsdp-torch-bf16"]["median"] if "fsdp-torch-bf16" in base else math.nan
 
     rate = parse_rate_gbit(args.rate)
     link = cm.Link(rate, latency_s=args.alpha_us * 1e-6 + parse_delay_s(args.delay),
                    efficiency=args.efficiency)
     okrows = [r for r in rows if r["ok"]]
-    speeds, speed_note = measured_speeds([h for h in hooks if h != "nocomm"], okrows[0]["threads"] if okrows else 1)
+    modelled = [h for h in hooks if h != "nocomm" and not h.startswith(FSDP_PREFIX)]
+    speeds, speed_note = measured_speeds(modelled, okrows[0]["threads"] if okrows else 1)
     for r in okrows:
-        buckets = cm.ddp_buckets([tuple(s) for s in r["shapes"]])
-        pred = cm.Cost() if r["hook"] == "nocomm" else \
-            cm.step_cost(r["hook"], buckets, 2, link, speeds.get(r["hook"]))
+        fsdp = r["hook"].startswith(FSDP_PREFIX)
+        if fsdp:
+            pred = cm.Cost(seconds=math.nan, sent_bytes=math.nan)
+        elif r["hook"] == "nocomm":
+            pred = cm.Cost()
+        else:
+            pred = cm.step_cost(r["hook"], cm.ddp_buckets([tuple(s) for s in r["shapes"]]), 2,
+                                link, speeds.get(r["hook"]))
         r.update(pred_comm=pred.seconds, pred_bytes=pred.sent_bytes,
                  pred_step=nocomm + pred.seconds, overhead=r["median"] - nocomm,
-                 speedup=t_none / r["median"], vs_bf16=t_bf16 / r["median"])
+                 speedup=(f_none if fsdp else t_none) / r["median"],
+                 vs_bf16=(f_bf16 if fsdp else t_bf16) / r["median"])
 
     with open(out / "results.csv", "w", newline="") as f:
         w = csv.writer(f)
@@ -288,7 +330,10 @@ def cmd_report(args) -> int:
           f"Step with no communication (single process, same threads): **{nocomm:.3f} s**.",
           f"Cost model: alpha {link.latency_s * 1e6:.0f} us, efficiency {link.efficiency:g}, "
           f"{speed_note}; predicted step = no-comm step + predicted communication (no overlap). "
-          "Bytes: measured = the interface's tx counter (headers included) over the timed steps.",
+          "Bytes: measured = the interface's tx counter (headers included) over the timed steps. "
+          "fsdp-* rows (FSDP2, reduce-scatter + all-gather): 'vs all-reduce' is against fsdp-none "
+          "(FSDP's own fp32 reduce-scatter), 'vs torch bf16' against fsdp-torch-bf16 (FSDP's bf16 "
+          "reduce dtype); the cost model predicts the DDP rows only.",
           "",
           "| hook | step s (median) | bytes/step sent per rank | vs all-reduce | vs torch bf16 "
           "| predicted comm s | measured overhead s | predicted step s | predicted bytes/step |",
@@ -347,11 +392,16 @@ def check_hooks(hooks: str) -> int:
     for h in names:
         if h == "nocomm":
             continue
+        if h.startswith(FSDP_PREFIX):
+            codec = h[len(FSDP_PREFIX):]
+            if codec in ("none", "torch-bf16"):
+                continue
+            h = codec
         try:
             cm.Codec.parse(h)
         except ValueError as e:
-            print(f"netem: hook {h!r}: {e} (known: {', '.join(cm.BENCH_HOOKS)}, nocomm, or any "
-                  "gradzip codec spec)", file=sys.stderr)
+            print(f"netem: hook {h!r}: {e} (known: {', '.join(cm.BENCH_HOOKS)}, nocomm, any "
+                  "gradzip codec spec, fsdp-none, fsdp-torch-bf16 or fsdp-CODEC)", file=sys.stderr)
             return 2
     return 0
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Real scarce-bandwidth benchmark: 2-rank DDP training over a shaped link between two network
-# namespaces, once per communication hook.
+# namespaces, once per communication hook (hooks named fsdp-none, fsdp-torch-bf16, fsdp-CODEC:
+# FSDP2 training with FSDP's own or gradzip's compressed reduce-scatter, see driver.py).
 #
 #   bench/netem/run.sh --rate 1gbit --out DIR [--delay 1ms] [--model vit-s14] [--size 56]
 #                      [--batch 1] [--steps 8] [--warmup 3] [--threads 1] [--hooks LIST]
@@ -58,6 +59,10 @@ done
 if [[ ",$hooks," =~ ,(bf16|fp16|fp32|int8|sign|topk)[:,] ]]; then
   "$python" -c "import gradzip.ddp" 2>/dev/null ||
     die "$python cannot import gradzip.ddp, needed by the gradzip hooks in --hooks $hooks"
+fi
+if [[ ",$hooks," == *,fsdp-* ]]; then
+  "$python" -c "import gradzip.fsdp" 2>/dev/null ||
+    die "$python cannot import gradzip.fsdp, needed by the fsdp-* hooks in --hooks $hooks"
 fi
 
 [[ $(id -u) -eq 0 ]] || die "needs root (creates network namespaces and tc qdiscs); run with sudo"

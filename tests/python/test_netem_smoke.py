@@ -48,7 +48,7 @@ def _our_namespaces(pid: int) -> list[str]:
 @needs_netns
 def test_tiny_run_writes_results_and_cleans_up(tmp_path):
     out = tmp_path / "netem"
-    hooks = ["none", "int8", "topk:0.01"]
+    hooks = ["none", "int8", "topk:0.01", "fsdp-none", "fsdp-int8"]
     p = subprocess.Popen(["bash", str(RUN), "--rate", "10gbit", "--out",
                           str(out), "--model", "vit-t14", "--size", "56", "--steps", "2",
                           "--warmup", "2", "--hooks", ",".join(hooks), "--time-limit", "240"],
@@ -66,6 +66,10 @@ def test_tiny_run_writes_results_and_cleans_up(tmp_path):
     # vit-t14 has ~0.95M parameters: plain all-reduce sends ~3.8 MB per step from each rank
     assert 3.5e6 < sent["none"] < 4.5e6
     assert sent["int8"] < 0.35 * sent["none"] and sent["topk:0.01"] < 0.05 * sent["none"]
+    # FSDP: two fp32 all-gathers of the parameters (forward, backward) and one reduce-scatter of
+    # the gradient per step; int8 shrinks only the reduce-scatter (to about a quarter)
+    assert float(by["fsdp-none"]["speedup_vs_allreduce"]) == pytest.approx(1.0)
+    assert sent["fsdp-int8"] < 0.85 * sent["fsdp-none"]
     md = (out / "results.md").read_text()
     assert "predicted comm s" in md and "## Targets" in md
     assert (out / "costmodel.csv").exists()

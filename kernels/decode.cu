@@ -59,6 +59,20 @@ __global__ void __launch_bounds__(kThreads)
   const PayloadLayout l = payload_layout(kind, n, h.param, (h.flags & kTopkFlagFp16Values) != 0);
   const auto* f32 = reinterpret_cast<const float*>(payload);
   const auto* u16 = reinterpret_cast<const uint16_t*>(payload);
+  // Blocks are multiples of 32 elements (validated) and i is a multiple of kV = 4, so a thread's
+  // elements share one codec block and one sign word: one block index per thread, a shift when
+  // the block is a power of two, else one division per kV elements (32-bit when i fits).
+  const bool blockwise = kind == CodecKind::int8 || kind == CodecKind::sign;
+  const uint32_t block = h.param;
+  float scale = 0.0f;
+  uint32_t sign_word = 0;
+  if (blockwise) {
+    const uint64_t b = (block & (block - 1)) == 0 ? i >> (__ffs(block) - 1)
+                       : i <= 0xFFFFFFFFu         ? static_cast<uint32_t>(i) / block
+                                                  : i / block;
+    scale = f32[b];
+    if (kind == CodecKind::sign) sign_word = reinterpret_cast<const uint32_t*>(payload + l.section1)[i / 32];
+  }
   float v[kV];
 #pragma unroll
   for (int j = 0; j < kV; ++j) {
@@ -70,14 +84,9 @@ __global__ void __launch_bounds__(kThreads)
       case CodecKind::fp16: v[j] = el::fp16_to_float(u16[e]); break;
       case CodecKind::bf16: v[j] = el::bf16_to_float(u16[e]); break;
       case CodecKind::int8:
-        v[j] = el::int8_dequantize(reinterpret_cast<const int8_t*>(payload + l.section1)[e],
-                                   f32[e / h.param]);
+        v[j] = el::int8_dequantize(reinterpret_cast<const int8_t*>(payload + l.section1)[e], scale);
         break;
-      case CodecKind::sign: {
-        const uint32_t word = reinterpret_cast<const uint32_t*>(payload + l.section1)[e / 32];
-        v[j] = el::sign_decode((word >> (e % 32)) & 1u, f32[e / h.param]);
-        break;
-      }
+      case CodecKind::sign: v[j] = el::sign_decode((sign_word >> (e % 32)) & 1u, scale); break;
       case CodecKind::topk: break;  // zero; the kept values are scattered afterwards
     }
   }

@@ -29,7 +29,8 @@ using gztest::DeviceBuffer;
 
 const char* const kSpecs[] = {"fp32",          "fp16",           "bf16",
                               "int8",          "int8:block=32",  "int8:block=4096",
-                              "sign",          "sign:block=32",  "sign:block=4096",
+                              "int8:block=96", "sign",           "sign:block=32",
+                              "sign:block=4096", "sign:block=96",
                               "topk:0.01",     "topk:0.1:values=fp16", "topk:1",
                               "topk:0.0001"};
 constexpr float kPrescale = 1.0f / 3.0f;  // not a power of two: exercises the two roundings
@@ -164,7 +165,7 @@ TEST_P(GpuCodec, EncodeMatchesCpuOnOddSizes) {
 
 TEST_P(GpuCodec, DecodeMatchesCpu) {
   const auto codec = gradzip::Codec::parse(GetParam());
-  for (size_t n : {size_t{1}, size_t{33}, size_t{4099}, size_t{1000003}})
+  for (size_t n : {size_t{0}, size_t{1}, size_t{33}, size_t{4099}, size_t{1000003}})
     if (size_enabled(n)) check_decode(codec, input(n, 0));
 }
 

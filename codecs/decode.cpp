@@ -26,7 +26,7 @@ void decode_impl(const void* wire, size_t bytes, float* out, size_t n, bool add)
   if (n > 0 && out == nullptr) throw Error(Status::invalid_argument, "gradzip: out is null");
   const auto kind = static_cast<CodecKind>(h.codec);
   const bool fp16_values = (h.flags & kTopkFlagFp16Values) != 0;
-  const PayloadLayout l = payload_layout(kind, n, h.param, fp16_values);
+  const PayloadLayout l = payload_layout(h);
   const char* payload = static_cast<const char*>(wire) + kHeaderBytes;
   const detail::Kernels& k = detail::kernels();
   switch (kind) {

@@ -1,4 +1,4 @@
-// Internal interfaces of the CPU path: limits, the per-ISA kernel table and the helpers shared by
+// Internal interfaces of the CPU path: the per-ISA kernel table and the helpers shared by
 // the orchestration code (encode.cpp, decode.cpp, topk.cpp) and the kernels (kernels_impl.hpp).
 #pragma once
 
@@ -8,12 +8,6 @@
 #include "gradzip/element.hpp"
 
 namespace gradzip::detail {
-
-// Largest element count any codec accepts: keeps every byte computation of payload_layout far
-// from 64-bit overflow (4 * 2^48 bytes).
-constexpr uint64_t kMaxCount = uint64_t{1} << 48;
-// Top-k indices are u32 on the wire.
-constexpr uint64_t kTopkMaxCount = 0xFFFFFFFFull;
 
 // The encoders' input: c[i] = grad[i] * prescale (+ residual[i] when residual is non-null).
 // Pointers are already offset to the range a kernel works on.

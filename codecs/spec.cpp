@@ -49,7 +49,7 @@ uint32_t parse_block(std::string_view spec, std::string_view value) {
   const auto [end, ec] = std::from_chars(value.data(), value.data() + value.size(), v);
   if (value.empty() || ec != std::errc() || end != value.data() + value.size())
     bad_spec(spec, "block='" + std::string(value) + "' is not an unsigned integer");
-  if (v < kMinBlock || v > kMaxBlock || v % 32 != 0)
+  if (!valid_block(v))
     bad_spec(spec, "block=" + std::string(value) + " must be a multiple of 32 in [32, 65536]");
   return static_cast<uint32_t>(v);
 }
@@ -63,7 +63,7 @@ void validate(std::string_view spec, const CodecSpec& s) {
       return;
     case CodecKind::int8:
     case CodecKind::sign:
-      if (s.block < kMinBlock || s.block > kMaxBlock || s.block % 32 != 0)
+      if (!valid_block(s.block))
         bad_spec(spec, "block=" + std::to_string(s.block) + " must be a multiple of 32 in [32, 65536]");
       if (s.ratio != 0.0 || s.fp16_values) bad_spec(spec, "only block= applies to int8/sign");
       return;
@@ -168,7 +168,7 @@ WireHeader Codec::wire_header(uint64_t n) const {
   h.count = n;
   h.param = wire_param(n);
   h.flags = spec_.kind == CodecKind::topk && spec_.fp16_values ? kTopkFlagFp16Values : 0u;
-  h.payload_bytes = payload_layout(spec_.kind, n, h.param, spec_.fp16_values).bytes;
+  h.payload_bytes = payload_layout(h).bytes;
   return h;
 }
 
@@ -177,7 +177,7 @@ uint32_t Codec::wire_param(uint64_t n) const {
     case CodecKind::int8:
     case CodecKind::sign: return spec_.block;
     case CodecKind::topk: {
-      if (n > detail::kTopkMaxCount)
+      if (n > kTopkMaxCount)
         throw Error(Status::invalid_argument,
                     "gradzip: top-k supports at most 2^32 - 1 elements (32-bit indices), got " +
                         std::to_string(n));
@@ -188,9 +188,9 @@ uint32_t Codec::wire_param(uint64_t n) const {
 }
 
 size_t Codec::encoded_bytes(size_t n) const {
-  if (n > detail::kMaxCount)
+  if (n > kMaxCount)
     throw Error(Status::invalid_argument, "gradzip: element count " + std::to_string(n) + " too large");
-  return kHeaderBytes + wire_header(n).payload_bytes;
+  return message_bytes(spec_.kind, n, wire_param(n), spec_.fp16_values);
 }
 
 size_t Codec::workspace_bytes(size_t n) const {

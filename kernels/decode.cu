@@ -1,26 +1,28 @@
 // Decoders of every codec, gated by a device-side validation of the wire bytes.
 //
-// The wire lives in device memory, so it is validated there: validate_header (one thread) checks
-// the header against the caller's (bytes, n) with the same rules as the host (validate.hpp) and
-// writes the status word; for top-k, validate_indices checks every index (< n, strictly
-// increasing). The decode kernels that follow on the stream read the status word first and write
+// The wire lives in device memory, so it is validated there, with the host's rules
+// (gradzip/wire.hpp): validate_header (one thread) runs check_header and check_payload against the
+// caller's (bytes, n) and writes the status word; for top-k, validate_indices runs check_index on
+// every index in parallel, keeping the smallest fault (the one the host's sequential loop finds
+// first). The decode kernels that follow on the stream read the status word first and write
 // nothing unless it is ok, so a corrupt payload never causes an out-of-bounds access.
 #include <algorithm>
 
 #include "common.cuh"
-#include "validate.hpp"
 
 namespace gradzip::kernels {
 namespace {
 
 constexpr int kV = 4;
+constexpr uint64_t kNoFault = ~uint64_t{0};
 __device__ DecodeStatus g_sync_status;  // the synchronous decode's status word (one per device)
 
 __global__ void validate_header_kernel(const uint8_t* wire, uint64_t bytes, size_t n, DecodeStatus* st) {
   const WireHeader h = load_header(wire);
-  const HeaderCheck r = check_message(h, bytes, wire + kHeaderBytes);
-  const bool ok = r.reason == DecodeReason::ok;
-  st->code = static_cast<uint32_t>(r.reason);
+  WireCheck r = check_header(h, bytes);
+  if (r.status == WireStatus::ok) r = check_payload(h, wire + kHeaderBytes);
+  const bool ok = r.status == WireStatus::ok;
+  st->code = static_cast<uint32_t>(r.status);
   st->count_mismatch = ok && h.count != n ? 1u : 0u;
   // Index failures are merged with atomicMin on (2 * position + kind): start from the top.
   st->detail = ok ? kNoFault : r.detail;
@@ -29,17 +31,17 @@ __global__ void validate_header_kernel(const uint8_t* wire, uint64_t bytes, size
 __global__ void __launch_bounds__(kThreads) validate_indices_kernel(const uint8_t* wire, DecodeStatus* st) {
   // Runs only after a valid header; other blocks of this kernel may already have set bad_index.
   const uint32_t code = st->code;
-  if (code != 0 && code != static_cast<uint32_t>(DecodeReason::bad_index)) return;
+  if (code != 0 && code != static_cast<uint32_t>(WireStatus::bad_index)) return;
   const WireHeader h = load_header(wire);
   if (h.codec != static_cast<uint8_t>(CodecKind::topk)) return;
   const uint32_t k = h.param;
-  const uint32_t* idx = reinterpret_cast<const uint32_t*>(wire + kHeaderBytes);
+  const uint8_t* idx = wire + kHeaderBytes;
   for (uint64_t j = static_cast<uint64_t>(blockIdx.x) * kThreads + threadIdx.x; j < k;
        j += static_cast<uint64_t>(gridDim.x) * kThreads) {
-    const uint64_t bad = index_fault(idx, j, h.count);
-    if (bad != kNoFault) {
-      atomicMin(reinterpret_cast<unsigned long long*>(&st->detail), static_cast<unsigned long long>(bad));
-      atomicExch(&st->code, static_cast<uint32_t>(DecodeReason::bad_index));
+    const WireCheck r = check_index(idx, j, h.count);
+    if (r.status != WireStatus::ok) {
+      atomicMin(reinterpret_cast<unsigned long long*>(&st->detail), static_cast<unsigned long long>(r.detail));
+      atomicExch(&st->code, static_cast<uint32_t>(r.status));
     }
   }
 }
@@ -56,7 +58,7 @@ __global__ void __launch_bounds__(kThreads)
   if (Add && kind == CodecKind::topk) return;
   const int valid = n - i < kV ? static_cast<int>(n - i) : kV;
   const uint8_t* payload = wire + kHeaderBytes;
-  const PayloadLayout l = payload_layout(kind, n, h.param, (h.flags & kTopkFlagFp16Values) != 0);
+  const PayloadLayout l = payload_layout(h);
   const auto* f32 = reinterpret_cast<const float*>(payload);
   const auto* u16 = reinterpret_cast<const uint16_t*>(payload);
   // Blocks are multiples of 32 elements (validated) and i is a multiple of kV = 4, so a thread's

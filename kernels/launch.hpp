@@ -19,28 +19,13 @@ struct HeaderWords {
 };
 
 // Outcome of the device-side validation of a payload (16 bytes at the start of the decode
-// workspace, or in a library-owned device word for the synchronous decode).
-enum class DecodeReason : uint32_t {
-  ok = 0,
-  bad_magic,
-  bad_version,
-  bad_codec,
-  bad_dtype,
-  bad_count,          // element count beyond the library's limit (2^48; top-k 2^32 - 1)
-  bad_param,          // block size out of range, or param set for a codec that has none
-  bad_k,              // top-k count 0 or larger than the element count
-  bad_flags,
-  bad_payload_bytes,  // payload_bytes differs from the codec's layout
-  wrong_length,       // the buffer is not exactly header + payload_bytes long
-  bad_padding,        // nonzero padding after the scales, or sign bits set past the count
-  bad_index,          // top-k index out of range or not increasing (see DecodeStatus::detail)
-};
-// The status word. Decoders write only when code == 0 and count_mismatch == 0; the element count
-// is compared last, as on the host (a corrupt payload is reported as corrupt, not as a mismatch).
+// workspace, or in a library-owned device word for the synchronous decode). Decoders write only
+// when code == 0 and count_mismatch == 0; the element count is compared last, as on the host (a
+// corrupt payload is reported as corrupt, not as a mismatch).
 struct DecodeStatus {
-  uint32_t code;            // DecodeReason
+  uint32_t code;            // WireStatus (gradzip/wire.hpp)
   uint32_t count_mismatch;  // 1: valid payload, but its element count differs from n
-  uint64_t detail;          // header value involved; bad_index: 2 * position + (1: not increasing)
+  uint64_t detail;          // WireCheck::detail
 };
 static_assert(sizeof(DecodeStatus) == 16, "status word is 16 bytes");
 

@@ -29,7 +29,7 @@ std::vector<int64_t> piece_lengths(int64_t lo, int64_t hi, const std::vector<int
 }
 
 int64_t slot_bytes(const Codec& codec, int64_t n) {
-  return static_cast<int64_t>(align16(codec.encoded_bytes(static_cast<size_t>(n))));
+  return static_cast<int64_t>(message_slot_bytes(codec.encoded_bytes(static_cast<size_t>(n))));
 }
 
 }  // namespace
@@ -142,7 +142,7 @@ void BucketReduction::encode_pieces(const float* x, float* residual, uint8_t* ou
     });
     x += m;
     if (residual) residual += m;
-    out += align16(e);
+    out += message_slot_bytes(e);
   }
 }
 
@@ -156,7 +156,7 @@ void BucketReduction::decode_pieces(const uint8_t* wire, float* out,
                        : nullptr;
     guarded("compressed_allreduce",
             [&] { decode_on(device_, wire, e, out, static_cast<size_t>(m), add, status); });
-    wire += align16(e);
+    wire += message_slot_bytes(e);
     out += m;
   }
 }

@@ -184,20 +184,10 @@ gradzip::WireHeader host_header(const char* op, const Tensor& payload) {
   const Tensor head = payload.narrow(0, 0, gradzip::kHeaderBytes).cpu();
   gradzip::WireHeader h;
   std::memcpy(&h, head.const_data_ptr(), sizeof h);
-  // Enough validation to size the output safely; the CUDA decoder validates the rest.
-  TORCH_CHECK_VALUE(h.magic == gradzip::kWireMagic, "gradzip.", op,
-                    ": corrupt payload: bad magic (not a gradzip message)");
-  TORCH_CHECK_VALUE(h.version == gradzip::kWireVersion && h.codec <= 5, "gradzip.", op,
-                    ": corrupt payload: unknown version ", h.version, " or codec ", int(h.codec));
-  const auto kind = static_cast<gradzip::CodecKind>(h.codec);
-  const bool blocky = kind == gradzip::CodecKind::int8 || kind == gradzip::CodecKind::sign;
-  TORCH_CHECK_VALUE(!blocky || h.param > 0, "gradzip.", op, ": corrupt payload: block size 0");
-  TORCH_CHECK_VALUE(kind != gradzip::CodecKind::topk || h.param <= h.count, "gradzip.", op,
-                    ": corrupt payload: k = ", h.param, " exceeds the count ", h.count);
-  TORCH_CHECK_VALUE(h.count < (uint64_t{1} << 48) && h.payload_bytes == bytes - gradzip::kHeaderBytes &&
-                        gradzip::payload_layout(kind, h.count, h.param, h.flags & 1u).bytes ==
-                            h.payload_bytes,
-                    "gradzip.", op, ": corrupt payload: lengths in the header do not match");
+  // The header's rules (gradzip/wire.hpp); the CUDA decoder checks the payload bytes.
+  const gradzip::WireCheck r = gradzip::check_header(h, bytes);
+  TORCH_CHECK_VALUE(r.status == gradzip::WireStatus::ok, "gradzip.", op, ": corrupt payload: ",
+                    gradzip::wire_status_text(r.status), " (", r.detail, ")");
   return h;
 }
 

@@ -116,35 +116,20 @@ void encode_impl(const Codec& codec, const float* grad, float* residual, size_t 
 
 // Turns a status word into the Error the host decode would throw.
 void throw_if_rejected(const kernels::DecodeStatus& st) {
-  using R = kernels::DecodeReason;
-  const auto reason = static_cast<R>(st.code);
-  const std::string d = std::to_string(st.detail);
-  std::string why;
-  switch (reason) {
-    case R::ok:
-      if (st.count_mismatch != 0)
-        throw Error(Status::size_mismatch,
-                    "gradzip::cuda: the payload's element count differs from the output's");
-      return;
-    case R::bad_magic: why = "bad magic (not a gradzip message)"; break;
-    case R::bad_version: why = "unsupported wire version " + d; break;
-    case R::bad_codec: why = "unknown codec id " + d; break;
-    case R::bad_dtype: why = "unsupported dtype " + d; break;
-    case R::bad_count: why = "element count " + d + " out of range"; break;
-    case R::bad_param: why = "bad codec parameter " + d; break;
-    case R::bad_k: why = "top-k k=" + d + " out of range for the element count"; break;
-    case R::bad_flags: why = "bad flags " + d; break;
-    case R::bad_payload_bytes: why = "payload_bytes " + d + " does not match the codec's layout"; break;
-    case R::wrong_length: why = "wire of " + d + " bytes is not header + payload_bytes long"; break;
-    case R::bad_padding: why = "nonzero padding or unused sign bits at payload byte " + d; break;
-    case R::bad_index:
-      why = "top-k index at position " + std::to_string(st.detail / 2) +
-            ((st.detail & 1) ? " is not above the previous one (indices must increase)"
-                             : " is out of range");
-      break;
-    default: why = "unknown status " + std::to_string(st.code); break;
+  const auto status = static_cast<WireStatus>(st.code);
+  if (status == WireStatus::ok) {
+    if (st.count_mismatch != 0)
+      throw Error(Status::size_mismatch,
+                  "gradzip::cuda: the payload's element count differs from the output's");
+    return;
   }
-  throw Error(Status::corrupt_payload, "gradzip::cuda: corrupt payload: " + why);
+  const std::string where =
+      status == WireStatus::bad_index
+          ? " at position " + std::to_string(st.detail / 2) +
+                ((st.detail & 1) ? " (not above the previous one)" : " (out of range)")
+          : " (" + std::to_string(st.detail) + ")";
+  throw Error(Status::corrupt_payload,
+              std::string("gradzip::cuda: corrupt payload: ") + wire_status_text(status) + where);
 }
 
 std::mutex& sync_decode_mutex() {

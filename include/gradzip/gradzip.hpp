@@ -55,8 +55,6 @@ struct CodecSpec {
 
 constexpr uint32_t kDefaultInt8Block = 256;
 constexpr uint32_t kDefaultSignBlock = 1024;
-constexpr uint32_t kMinBlock = 32;
-constexpr uint32_t kMaxBlock = 65536;
 
 class Codec {
  public:

@@ -1,6 +1,7 @@
 // Host-side checks of the CUDA path's logic that need no GPU (they run in CI):
-//  * the device validation (kernels/validate.hpp: check_message + index_fault, compiled here for
-//    the host) gives the host read_header's verdict on every corruption of every codec;
+//  * the CUDA path's sequence of checks (cuda.cpp's length check, decode.cu's check_header +
+//    check_payload, check_index on every index, the element count last; gradzip/wire.hpp,
+//    compiled here for the host) gives the host decode's verdict on every corruption of every codec;
 //  * the top-k design of kernels/topk.cu (11/11/10-bit radix select, digit 0 over everything,
 //    digits 1-2 over the candidate list, per-tile counts from the collect pass plus the
 //    candidates, suffix-sum bin choice, exclusive tile prefixes, emit position
@@ -16,8 +17,8 @@
 #include "cuda/workspace.hpp"  // codecs/
 #include "gradzip/element.hpp"
 #include "gradzip/gradzip.hpp"
+#include "gradzip/wire.hpp"
 #include "test_util.hpp"  // tests/cpu
-#include "validate.hpp"   // kernels/
 
 namespace {
 
@@ -28,19 +29,20 @@ using gradzip::Status;
 const char* const kSpecs[] = {"fp32", "fp16", "bf16", "int8", "int8:block=32", "sign",
                               "sign:block=4096", "topk:0.01", "topk:0.1:values=fp16", "topk:1"};
 
-// The verdict sequence of cuda.cpp + decode.cu: host length check, check_message, indices, count.
+// The verdict sequence of cuda.cpp + decode.cu: host length check, header and payload, every
+// index (in any order: the device keeps the smallest fault), the element count last.
 Status emulated_device_verdict(const Bytes& w, size_t n) {
+  using gradzip::WireStatus;
   if (w.size() < gradzip::kHeaderBytes) return Status::corrupt_payload;
   gradzip::WireHeader h;
   std::memcpy(&h, w.data(), sizeof h);
   const auto* payload = reinterpret_cast<const uint8_t*>(w.data()) + gradzip::kHeaderBytes;
-  if (gradzip::kernels::check_message(h, w.size(), payload).reason != gradzip::kernels::DecodeReason::ok)
-    return Status::corrupt_payload;
+  gradzip::WireCheck r = gradzip::check_header(h, w.size());
+  if (r.status == WireStatus::ok) r = gradzip::check_payload(h, payload);
+  if (r.status != WireStatus::ok) return Status::corrupt_payload;
   if (h.codec == static_cast<uint8_t>(gradzip::CodecKind::topk)) {
-    std::vector<uint32_t> idx(h.param);
-    std::memcpy(idx.data(), payload, 4 * idx.size());
-    for (uint64_t j = 0; j < h.param; ++j)
-      if (gradzip::kernels::index_fault(idx.data(), j, h.count) != gradzip::kernels::kNoFault)
+    for (uint64_t j = h.param; j-- > 0;)
+      if (gradzip::check_index(payload, j, h.count).status != WireStatus::ok)
         return Status::corrupt_payload;
   }
   return h.count == n ? Status::ok : Status::size_mismatch;

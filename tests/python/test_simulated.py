@@ -10,7 +10,7 @@ import torch
 
 import gradzip
 from gradzip.collective import shard_bounds, traffic, CodecPlan
-from gradzip import ddp
+from gradzip import ddp, wire
 from gradzip.ddp import CompressionState
 
 # every bucket compressed, however small (the default leaves buckets under 4096 elements alone)
@@ -104,7 +104,7 @@ def test_stats_count_the_wire_bytes():
     sim.reduce(grads(world, n))
     st = sim.stats
     # every payload travels in a 16-byte aligned slot (the CUDA decoders need aligned payloads)
-    e = lambda n, spec: (gradzip.encoded_bytes(n, spec) + 15) // 16 * 16  # noqa: E731
+    e = lambda n, spec: wire.message_slot_bytes(gradzip.encoded_bytes(n, spec))  # noqa: E731
     shard = n // world
     assert st["bytes_sent"] == 3 * e(shard, "int8") + 3 * e(shard, "int8")
     assert st["raw_bytes"] == 2 * 3 * 4 * n // 4

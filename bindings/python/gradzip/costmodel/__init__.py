@@ -33,11 +33,9 @@ import time
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-# --- codecs: names and wire sizes -----------------------------------------------------------------
+from gradzip import wire
 
-HEADER_BYTES = 32  # include/gradzip/wire.hpp kHeaderBytes
-DEFAULT_INT8_BLOCK = 256
-DEFAULT_SIGN_BLOCK = 1024
+# --- codecs: names and wire sizes -----------------------------------------------------------------
 
 # Hook names the benchmark uses that are not gradzip codec specs: PyTorch's all-reduce hooks.
 TORCH_HOOKS = {"none": "fp32", "allreduce": "fp32", "torch-fp16": "fp16", "torch-bf16": "bf16"}
@@ -66,12 +64,12 @@ class Codec:
         if head in ("fp32", "fp16", "bf16") and not opts:
             return Codec(head)
         if head in ("int8", "sign"):
-            block = DEFAULT_INT8_BLOCK if head == "int8" else DEFAULT_SIGN_BLOCK
+            block = wire.DEFAULT_INT8_BLOCK if head == "int8" else wire.DEFAULT_SIGN_BLOCK
             for o in opts:
                 if not o.startswith("block="):
                     raise ValueError(f"codec {name!r}: unknown option {o!r} (expected block=N)")
                 block = _int(o[6:], name)
-            if block < 32 or block > 65536 or block % 32:
+            if not wire.valid_block(block):
                 raise ValueError(f"codec {name!r}: block must be a multiple of 32 in [32, 65536]")
             return Codec(head, block=block)
         if head == "topk":
@@ -97,24 +95,11 @@ class Codec:
         raise ValueError(f"unknown codec {name!r}")
 
     def topk_k(self, n: int) -> int:
-        # Same rule as gradzip::Codec::topk_k: min(n, max(1, ceil(ratio * n))), 0 for n == 0.
-        return 0 if n == 0 else min(n, max(1, math.ceil(self.ratio * n)))
+        return wire.topk_k(self.ratio, n)
 
     def encoded_bytes(self, n: int) -> int:
-        """Header + payload bytes of one gradzip message of n elements (wire.hpp payload_layout)."""
-        if self.kind == "fp32":
-            payload = 4 * n
-        elif self.kind in ("fp16", "bf16"):
-            payload = 2 * n
-        elif self.kind == "int8":
-            payload = _align16(4 * _ceil_div(n, self.block)) + n
-        elif self.kind == "sign":
-            payload = _align16(4 * _ceil_div(n, self.block)) + 4 * _ceil_div(n, 32)
-        elif self.kind == "topk":
-            payload = self.topk_k(n) * (4 + (2 if self.fp16_values else 4))
-        else:
-            raise ValueError(f"{self.kind} has no gradzip wire format")
-        return HEADER_BYTES + payload
+        """Header + payload bytes of one gradzip message of n elements."""
+        return wire.encoded_bytes(self.kind, n, self.block, self.ratio, self.fp16_values)
 
 
 def _int(s: str, name: str) -> int:
@@ -122,14 +107,6 @@ def _int(s: str, name: str) -> int:
         return int(s)
     except ValueError:
         raise ValueError(f"codec {name!r}: {s!r} is not an integer") from None
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _align16(a: int) -> int:
-    return (a + 15) & ~15
 
 
 # --- links and collectives ------------------------------------------------------------------------
@@ -183,7 +160,7 @@ def alltoall(nbytes_per_peer: float, p: int, link: Link) -> Cost:
 
 def two_phase(codec: Codec, n: int, p: int, link: Link) -> Cost:
     """All-to-all of encoded shards, fp32 sum at the shard owner, re-encode, all-gather."""
-    shard = codec.encoded_bytes(_ceil_div(n, p))
+    shard = codec.encoded_bytes(wire.ceil_div(n, p))
     return alltoall(shard, p, link) + ring_allgather(shard, p, link)
 
 
@@ -263,7 +240,7 @@ def codec_compute_s(codec: Codec, n: int, p: int, speed: CodecSpeed | None) -> f
     if codec.collective == "allreduce":  # 16-bit hooks: cast down, cast back
         return n / speed.encode_ef + n / speed.decode_add
     if codec.collective == "two_phase":
-        shard = _ceil_div(n, p)
+        shard = wire.ceil_div(n, p)
         # encode all shards; decode-add p copies of my shard; re-encode it; decode the gathered n.
         return (n + shard) / speed.encode_ef + (p * shard + n) / speed.decode_add
     return n / speed.encode_ef + p * codec.topk_k(n) / speed.decode_add  # all-gather (top-k)

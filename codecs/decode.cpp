@@ -28,7 +28,7 @@ void decode_impl(const void* wire, size_t bytes, float* out, size_t n, bool add)
   const bool fp16_values = (h.flags & kTopkFlagFp16Values) != 0;
   const PayloadLayout l = payload_layout(h);
   const char* payload = static_cast<const char*>(wire) + kHeaderBytes;
-  const detail::Kernels& k = detail::kernels();
+  const detail::CpuLoops& k = detail::cpu_loops();
   switch (kind) {
     case CodecKind::fp32:
       detail::parallel_ranges(n, 16, [&](size_t b, size_t e) {

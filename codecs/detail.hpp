@@ -1,5 +1,5 @@
-// Internal interfaces of the CPU path: the per-ISA kernel table and the helpers shared by
-// the orchestration code (encode.cpp, decode.cpp, topk.cpp) and the kernels (kernels_impl.hpp).
+// Internal interfaces of the CPU path: the per-ISA table of CPU loops and the helpers shared by
+// the orchestration code (encode.cpp, decode.cpp, topk.cpp) and the loops (cpu_loops.hpp).
 #pragma once
 
 #include <cstddef>
@@ -23,9 +23,9 @@ inline float encode_input(const EncodeArgs& a, size_t i) {
                     : element::scaled_input(a.grad[i], a.prescale);
 }
 
-// One table per instruction set; the same source (kernels_impl.hpp) compiled with different
+// One table per instruction set; the same source (cpu_loops.hpp) compiled with different
 // -m flags. Every function works on one contiguous range; threads are the caller's business.
-struct Kernels {
+struct CpuLoops {
   const char* isa;
   // Casts: n values.
   void (*encode_fp32)(EncodeArgs a, size_t n, float* out);
@@ -55,12 +55,12 @@ struct Kernels {
                       uint32_t* idx, void* values, bool fp16_values);
 };
 
-const Kernels& kernels_portable();
-const Kernels& kernels_avx2();
-const Kernels& kernels_avx512();
+const CpuLoops& cpu_loops_portable();
+const CpuLoops& cpu_loops_avx2();
+const CpuLoops& cpu_loops_avx512();
 
 // The table picked for this CPU (GRADZIP_CPU_ISA=portable|avx2|avx512 can force a lower one).
-const Kernels& kernels();
+const CpuLoops& cpu_loops();
 // Tests: switch the table; returns false when the CPU lacks the instruction set.
 bool force_isa(const char* name);
 

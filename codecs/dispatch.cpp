@@ -1,4 +1,4 @@
-// Run-time choice of the kernel table: the widest instruction set this CPU supports, or the one
+// Run-time choice of the CPU loop table: the widest instruction set this CPU supports, or the one
 // named by GRADZIP_CPU_ISA (portable, avx2, avx512) when that is supported.
 #include <atomic>
 #include <cstdlib>
@@ -31,30 +31,30 @@ bool supported(const char* name) {
   return false;
 }
 
-const Kernels* table_for(const char* name) {
+const CpuLoops* table_for(const char* name) {
   if (!supported(name)) return nullptr;
 #if defined(__x86_64__)
-  if (std::strcmp(name, "avx512") == 0) return &kernels_avx512();
-  if (std::strcmp(name, "avx2") == 0) return &kernels_avx2();
+  if (std::strcmp(name, "avx512") == 0) return &cpu_loops_avx512();
+  if (std::strcmp(name, "avx2") == 0) return &cpu_loops_avx2();
 #endif
-  if (std::strcmp(name, "portable") == 0) return &kernels_portable();
+  if (std::strcmp(name, "portable") == 0) return &cpu_loops_portable();
   return nullptr;
 }
 
-const Kernels* pick() {
+const CpuLoops* pick() {
   if (const char* env = std::getenv("GRADZIP_CPU_ISA"))
-    if (const Kernels* k = table_for(env)) return k;
+    if (const CpuLoops* k = table_for(env)) return k;
   for (const char* name : {"avx512", "avx2", "portable"})
-    if (const Kernels* k = table_for(name)) return k;
-  return &kernels_portable();
+    if (const CpuLoops* k = table_for(name)) return k;
+  return &cpu_loops_portable();
 }
 
-std::atomic<const Kernels*> g_table{nullptr};
+std::atomic<const CpuLoops*> g_table{nullptr};
 
 }  // namespace
 
-const Kernels& kernels() {
-  const Kernels* k = g_table.load(std::memory_order_acquire);
+const CpuLoops& cpu_loops() {
+  const CpuLoops* k = g_table.load(std::memory_order_acquire);
   if (k == nullptr) {
     k = pick();
     g_table.store(k, std::memory_order_release);
@@ -63,7 +63,7 @@ const Kernels& kernels() {
 }
 
 bool force_isa(const char* name) {
-  const Kernels* k = table_for(name);
+  const CpuLoops* k = table_for(name);
   if (k == nullptr) return false;
   g_table.store(k, std::memory_order_release);
   return true;
@@ -71,4 +71,4 @@ bool force_isa(const char* name) {
 
 }  // namespace gradzip::detail
 
-const char* gradzip::cpu_isa() { return detail::kernels().isa; }
+const char* gradzip::cpu_isa() { return detail::cpu_loops().isa; }

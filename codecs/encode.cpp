@@ -45,7 +45,7 @@ void encode_impl(const Codec& codec, detail::EncodeArgs a, size_t n, void* out, 
   std::memcpy(out, &h, sizeof h);
   char* payload = static_cast<char*>(out) + kHeaderBytes;
 
-  const detail::Kernels& k = detail::kernels();
+  const detail::CpuLoops& k = detail::cpu_loops();
   auto at = [&](size_t begin) {
     detail::EncodeArgs x = a;
     x.grad += begin;

@@ -1,4 +1,4 @@
-// The CPU kernels built for the avx2 instruction set (flags in codecs/CMakeLists.txt).
+// codecs/cpu_loops.hpp built for the avx2 instruction set (flags in codecs/CMakeLists.txt).
 #define GZ_ISA_NS avx2
 #define GZ_ISA_NAME "avx2"
-#include "kernels_impl.hpp"
+#include "cpu_loops.hpp"

@@ -1,4 +1,4 @@
-// The CPU kernels built for the portable instruction set (flags in codecs/CMakeLists.txt).
+// codecs/cpu_loops.hpp built for the portable instruction set (flags in codecs/CMakeLists.txt).
 #define GZ_ISA_NS portable
 #define GZ_ISA_NAME "portable"
-#include "kernels_impl.hpp"
+#include "cpu_loops.hpp"

@@ -43,7 +43,7 @@ struct Chunk {
 
 }  // namespace
 
-void encode_topk(const Kernels& kernels, EncodeArgs a, size_t n, uint64_t k, uint32_t* idx,
+void encode_topk(const CpuLoops& loops, EncodeArgs a, size_t n, uint64_t k, uint32_t* idx,
                  void* values, bool fp16_values, uint32_t* cand) {
   if (k == 0) return;
   const size_t clen = topk_chunk_len(n);
@@ -69,7 +69,7 @@ void encode_topk(const Kernels& kernels, EncodeArgs a, size_t n, uint64_t k, uin
     alignas(64) uint32_t local[el::kTopkRadix] = {};
 #pragma omp for schedule(static)
     for (long long c = 0; c < static_cast<long long>(nch); ++c)
-      kernels.topk_hist0(args_at(chunks[c].begin), chunks[c].len, local);
+      loops.topk_hist0(args_at(chunks[c].begin), chunks[c].len, local);
 #pragma omp critical(gradzip_topk_hist)
     for (int d = 0; d < el::kTopkRadix; ++d) hist[d] += local[d];
   }
@@ -79,7 +79,7 @@ void encode_topk(const Kernels& kernels, EncodeArgs a, size_t n, uint64_t k, uin
   // 2. candidates of the threshold bucket
   parallel_items(nch, threads, [&](size_t c) {
     Chunk& ch = chunks[c];
-    ch.candidates = kernels.topk_collect(args_at(ch.begin), ch.len, static_cast<uint32_t>(ch.begin),
+    ch.candidates = loops.topk_collect(args_at(ch.begin), ch.len, static_cast<uint32_t>(ch.begin),
                                          d0, cand + ch.begin, &ch.above);
   });
 
@@ -138,7 +138,7 @@ void encode_topk(const Kernels& kernels, EncodeArgs a, size_t n, uint64_t k, uin
   std::atomic<bool> consistent{true};
   parallel_items(nch, threads, [&](size_t c) {
     const Chunk& ch = chunks[c];
-    const size_t kept = kernels.topk_emit(
+    const size_t kept = loops.topk_emit(
         args_at(ch.begin), ch.len, static_cast<uint32_t>(ch.begin), threshold, ch.quota,
         idx + ch.offset, static_cast<char*>(values) + ch.offset * value_size, fp16_values);
     if (kept != ch.above + ch.quota) consistent.store(false, std::memory_order_relaxed);

@@ -12,7 +12,7 @@ namespace gradzip::detail {
 
 // Writes k indices to idx and k values (f32, or fp16 when fp16_values) to values, and updates
 // the residual (when a.residual is set). cand: topk_workspace_bytes(n) bytes, 4-byte aligned.
-void encode_topk(const Kernels& kernels, EncodeArgs a, size_t n, uint64_t k, uint32_t* idx,
+void encode_topk(const CpuLoops& loops, EncodeArgs a, size_t n, uint64_t k, uint32_t* idx,
                  void* values, bool fp16_values, uint32_t* cand);
 
 }  // namespace gradzip::detail

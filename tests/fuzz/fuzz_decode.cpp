@@ -68,7 +68,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       for (uint64_t i = 0; i < n; ++i) GZ_FUZZ_CHECK(same_bits(s.out[i], pattern(i)));
     }
   }
-  // Same bytes, other kernel tables: same outcome, same bits.
+  // Same bytes, other CPU loop tables: same outcome, same bits.
   for_each_other_isa([&] { check_same(d, decode(data, size, n), n); });
   return 0;
 }

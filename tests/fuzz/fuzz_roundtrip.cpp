@@ -251,7 +251,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
   }
 
-  // Other kernel tables: the same bytes and residual.
+  // Other CPU loop tables: the same bytes and residual.
   for_each_other_isa([&] {
     std::vector<float> residual2(old_residual);
     const Encoded e2 = encode(codec, grad.get(), feedback ? residual2.data() : nullptr, n, prescale);

@@ -12,7 +12,7 @@
 #include <memory>
 #include <optional>
 
-#include "detail.hpp"  // codecs/: force_isa, the tests' switch of the CPU kernel table
+#include "detail.hpp"  // codecs/: force_isa, the tests' switch of the CPU loop table
 #include "gradzip/gradzip.hpp"
 
 namespace gzfuzz {
@@ -31,7 +31,7 @@ constexpr uint64_t kMaxElements = uint64_t{1} << 17;  // still reaches the threa
     if (!(cond)) ::gzfuzz::fail(#cond, __FILE__, __LINE__);          \
   } while (0)
 
-// Calls f() under every other instruction set this CPU has (the kernel tables are one source
+// Calls f() under every other instruction set this CPU has (the CPU loop tables are one source
 // compiled three times and must give the same bytes), then restores the default table.
 template <class F>
 void for_each_other_isa(F&& f) {

@@ -1,11 +1,11 @@
-// The CPU kernels, written once and compiled once per instruction set: isa_<name>.cpp defines
+// The CPU loops, written once and compiled once per instruction set: isa_<name>.cpp defines
 // GZ_ISA_NS and includes this file, and CMake builds it with that ISA's -m flags. The loops are
 // plain calls of the element.hpp functions, shaped (fixed-width inner loops, no early exits,
 // separate max/sum and emit passes per block) so that GCC vectorises them; the element math is
 // never re-implemented here. Everything below has internal linkage except the table accessor,
 // so no out-of-line copy compiled for one ISA can be picked by the linker for another.
 #ifndef GZ_ISA_NS
-#error "define GZ_ISA_NS before including kernels_impl.hpp"
+#error "define GZ_ISA_NS before including cpu_loops.hpp"
 #endif
 
 #include <type_traits>
@@ -37,8 +37,8 @@ inline float abs_f(float x) { return el::bits_float(el::abs_bits(x)); }
 
 // ---- casts ----------------------------------------------------------------------------------
 template <bool EF>
-void fp32_t(const float* __restrict g, float* __restrict r, float p, size_t n,
-            float* __restrict out) {
+void fp32_encode_loop(const float* __restrict g, float* __restrict r, float p, size_t n,
+                      float* __restrict out) {
   for (size_t i = 0; i < n; ++i) {
     const float c = cin<EF>(g, r, p, i);
     out[i] = c;
@@ -46,8 +46,8 @@ void fp32_t(const float* __restrict g, float* __restrict r, float p, size_t n,
   }
 }
 template <bool EF>
-void fp16_t(const float* __restrict g, float* __restrict r, float p, size_t n,
-            uint16_t* __restrict out) {
+void fp16_encode_loop(const float* __restrict g, float* __restrict r, float p, size_t n,
+                      uint16_t* __restrict out) {
   for (size_t i = 0; i < n; ++i) {
     const float c = cin<EF>(g, r, p, i);
     const uint16_t h = el::float_to_fp16(c);
@@ -56,8 +56,8 @@ void fp16_t(const float* __restrict g, float* __restrict r, float p, size_t n,
   }
 }
 template <bool EF>
-void bf16_t(const float* __restrict g, float* __restrict r, float p, size_t n,
-            uint16_t* __restrict out) {
+void bf16_encode_loop(const float* __restrict g, float* __restrict r, float p, size_t n,
+                      uint16_t* __restrict out) {
   for (size_t i = 0; i < n; ++i) {
     const float c = cin<EF>(g, r, p, i);
     const uint16_t h = el::float_to_bf16(c);
@@ -67,19 +67,19 @@ void bf16_t(const float* __restrict g, float* __restrict r, float p, size_t n,
 }
 
 void encode_fp32(EncodeArgs a, size_t n, float* out) {
-  with_ef(a, [&](auto ef) { fp32_t<ef.value>(a.grad, a.residual, a.prescale, n, out); });
+  with_ef(a, [&](auto ef) { fp32_encode_loop<ef.value>(a.grad, a.residual, a.prescale, n, out); });
 }
 void encode_fp16(EncodeArgs a, size_t n, uint16_t* out) {
-  with_ef(a, [&](auto ef) { fp16_t<ef.value>(a.grad, a.residual, a.prescale, n, out); });
+  with_ef(a, [&](auto ef) { fp16_encode_loop<ef.value>(a.grad, a.residual, a.prescale, n, out); });
 }
 void encode_bf16(EncodeArgs a, size_t n, uint16_t* out) {
-  with_ef(a, [&](auto ef) { bf16_t<ef.value>(a.grad, a.residual, a.prescale, n, out); });
+  with_ef(a, [&](auto ef) { bf16_encode_loop<ef.value>(a.grad, a.residual, a.prescale, n, out); });
 }
 
 // ---- int8: per block, max pass then quantise + residual pass (the block stays in L1) ----------
 template <bool EF>
-void int8_t_(const float* __restrict g, float* __restrict r, float p, size_t n, uint32_t block,
-             float* __restrict scales, int8_t* __restrict q) {
+void int8_encode_loop(const float* __restrict g, float* __restrict r, float p, size_t n,
+                      uint32_t block, float* __restrict scales, int8_t* __restrict q) {
   for (size_t s = 0, b = 0; s < n; s += block, ++b) {
     const size_t len = min_sz(block, n - s);
     const float* gb = g + s;
@@ -103,14 +103,14 @@ void int8_t_(const float* __restrict g, float* __restrict r, float p, size_t n, 
 }
 void encode_int8(EncodeArgs a, size_t n, uint32_t block, float* scales, int8_t* q) {
   with_ef(a, [&](auto ef) {
-    int8_t_<ef.value>(a.grad, a.residual, a.prescale, n, block, scales, q);
+    int8_encode_loop<ef.value>(a.grad, a.residual, a.prescale, n, block, scales, q);
   });
 }
 
 // ---- sign: per block, the fixed 32-lane mean |x| tree, then bits + residual -------------------
 template <bool EF>
-void sign_t(const float* __restrict g, float* __restrict r, float p, size_t n, uint32_t block,
-            float* __restrict scales, uint32_t* __restrict words) {
+void sign_encode_loop(const float* __restrict g, float* __restrict r, float p, size_t n,
+                      uint32_t block, float* __restrict scales, uint32_t* __restrict words) {
   for (size_t s = 0, b = 0; s < n; s += block, ++b) {
     const size_t len = min_sz(block, n - s);
     const float* gb = g + s;
@@ -142,7 +142,7 @@ void sign_t(const float* __restrict g, float* __restrict r, float p, size_t n, u
 }
 void encode_sign(EncodeArgs a, size_t n, uint32_t block, float* scales, uint32_t* words) {
   with_ef(a, [&](auto ef) {
-    sign_t<ef.value>(a.grad, a.residual, a.prescale, n, block, scales, words);
+    sign_encode_loop<ef.value>(a.grad, a.residual, a.prescale, n, block, scales, words);
   });
 }
 
@@ -154,20 +154,20 @@ inline void store(float* __restrict out, size_t i, float v) {
 }
 
 template <bool ADD>
-void fp32_dec_t(const float* __restrict in, size_t n, float* __restrict out) {
+void fp32_decode_loop(const float* __restrict in, size_t n, float* __restrict out) {
   for (size_t i = 0; i < n; ++i) store<ADD>(out, i, in[i]);
 }
 template <bool ADD>
-void fp16_dec_t(const uint16_t* __restrict in, size_t n, float* __restrict out) {
+void fp16_decode_loop(const uint16_t* __restrict in, size_t n, float* __restrict out) {
   for (size_t i = 0; i < n; ++i) store<ADD>(out, i, el::fp16_to_float(in[i]));
 }
 template <bool ADD>
-void bf16_dec_t(const uint16_t* __restrict in, size_t n, float* __restrict out) {
+void bf16_decode_loop(const uint16_t* __restrict in, size_t n, float* __restrict out) {
   for (size_t i = 0; i < n; ++i) store<ADD>(out, i, el::bf16_to_float(in[i]));
 }
 template <bool ADD>
-void int8_dec_t(const float* __restrict scales, const int8_t* __restrict q, size_t n,
-                uint32_t block, float* __restrict out) {
+void int8_decode_loop(const float* __restrict scales, const int8_t* __restrict q, size_t n,
+                      uint32_t block, float* __restrict out) {
   for (size_t s = 0, b = 0; s < n; s += block, ++b) {
     const size_t len = min_sz(block, n - s);
     const float scale = scales[b];
@@ -176,8 +176,8 @@ void int8_dec_t(const float* __restrict scales, const int8_t* __restrict q, size
   }
 }
 template <bool ADD>
-void sign_dec_t(const float* __restrict scales, const uint32_t* __restrict words, size_t n,
-                uint32_t block, float* __restrict out) {
+void sign_decode_loop(const float* __restrict scales, const uint32_t* __restrict words, size_t n,
+                      uint32_t block, float* __restrict out) {
   for (size_t s = 0, b = 0; s < n; s += block, ++b) {
     const size_t len = min_sz(block, n - s);
     const float scale = scales[b];
@@ -201,21 +201,21 @@ void sign_dec_t(const float* __restrict scales, const uint32_t* __restrict words
   } while (0)
 
 void decode_fp32(const float* in, size_t n, float* out, bool add) {
-  GZ_ADD_DISPATCH(fp32_dec_t, in, n, out);
+  GZ_ADD_DISPATCH(fp32_decode_loop, in, n, out);
 }
 void decode_fp16(const uint16_t* in, size_t n, float* out, bool add) {
-  GZ_ADD_DISPATCH(fp16_dec_t, in, n, out);
+  GZ_ADD_DISPATCH(fp16_decode_loop, in, n, out);
 }
 void decode_bf16(const uint16_t* in, size_t n, float* out, bool add) {
-  GZ_ADD_DISPATCH(bf16_dec_t, in, n, out);
+  GZ_ADD_DISPATCH(bf16_decode_loop, in, n, out);
 }
 void decode_int8(const float* scales, const int8_t* q, size_t n, uint32_t block, float* out,
                  bool add) {
-  GZ_ADD_DISPATCH(int8_dec_t, scales, q, n, block, out);
+  GZ_ADD_DISPATCH(int8_decode_loop, scales, q, n, block, out);
 }
-void decode_sign(const float* scales, const uint32_t* words, size_t n, uint32_t block,
-                 float* out, bool add) {
-  GZ_ADD_DISPATCH(sign_dec_t, scales, words, n, block, out);
+void decode_sign(const float* scales, const uint32_t* words, size_t n, uint32_t block, float* out,
+                 bool add) {
+  GZ_ADD_DISPATCH(sign_decode_loop, scales, words, n, block, out);
 }
 #undef GZ_ADD_DISPATCH
 
@@ -224,8 +224,8 @@ constexpr int kShift0 = el::kTopkDigitShift[0];
 constexpr size_t kSub = 256;  // sub-block: vectorised pass into an L1 buffer, then a scalar pass
 
 template <bool EF>
-void hist0_t(const float* __restrict g, const float* __restrict r, float p, size_t n,
-             uint32_t* __restrict hist) {
+void topk_hist0_loop(const float* __restrict g, const float* __restrict r, float p, size_t n,
+                     uint32_t* __restrict hist) {
   // Four sub-histograms: runs of equal digits (common: gradients share exponents) would
   // otherwise serialise on one counter.
   alignas(64) uint32_t sub[4][el::kTopkRadix] = {};
@@ -245,7 +245,7 @@ void hist0_t(const float* __restrict g, const float* __restrict r, float p, size
   for (int k = 0; k < el::kTopkRadix; ++k) hist[k] += sub[0][k] + sub[1][k] + sub[2][k] + sub[3][k];
 }
 void topk_hist0(EncodeArgs a, size_t n, uint32_t* hist) {
-  with_ef(a, [&](auto ef) { hist0_t<ef.value>(a.grad, a.residual, a.prescale, n, hist); });
+  with_ef(a, [&](auto ef) { topk_hist0_loop<ef.value>(a.grad, a.residual, a.prescale, n, hist); });
 }
 
 // Flag scans: a sub-block's flags (0/1 bytes) are read 8 at a time; kept elements are rare.
@@ -267,8 +267,8 @@ inline void for_each_flag(const uint8_t* flags, size_t m, F&& f) {
 }
 
 template <bool EF>
-size_t collect_t(const float* __restrict g, const float* __restrict r, float p, size_t n,
-                 uint32_t base, uint32_t d0, uint32_t* __restrict cand, uint64_t* above) {
+size_t topk_collect_loop(const float* __restrict g, const float* __restrict r, float p, size_t n,
+                         uint32_t base, uint32_t d0, uint32_t* __restrict cand, uint64_t* above) {
   size_t count = 0;
   uint32_t up = 0;
   alignas(64) uint8_t eq[kSub];
@@ -292,15 +292,15 @@ size_t topk_collect(EncodeArgs a, size_t n, uint32_t base, uint32_t d0, uint32_t
                     uint64_t* above) {
   size_t count = 0;
   with_ef(a, [&](auto ef) {
-    count = collect_t<ef.value>(a.grad, a.residual, a.prescale, n, base, d0, cand, above);
+    count = topk_collect_loop<ef.value>(a.grad, a.residual, a.prescale, n, base, d0, cand, above);
   });
   return count;
 }
 
 template <bool EF>
-size_t emit_t(const float* __restrict g, float* __restrict r, float p, size_t n, uint32_t base,
-              uint32_t threshold, uint64_t ties, uint32_t* __restrict idx, void* values,
-              bool fp16_values) {
+size_t topk_emit_loop(const float* __restrict g, float* __restrict r, float p, size_t n,
+                      uint32_t base, uint32_t threshold, uint64_t ties, uint32_t* __restrict idx,
+                      void* values, bool fp16_values) {
   size_t kept = 0;
   alignas(64) float c[kSub], old[kSub];
   alignas(64) uint8_t hit[kSub];
@@ -345,20 +345,19 @@ size_t topk_emit(EncodeArgs a, size_t n, uint32_t base, uint32_t threshold, uint
                  uint32_t* idx, void* values, bool fp16_values) {
   size_t kept = 0;
   with_ef(a, [&](auto ef) {
-    kept = emit_t<ef.value>(a.grad, a.residual, a.prescale, n, base, threshold, ties, idx, values,
-                            fp16_values);
+    kept = topk_emit_loop<ef.value>(a.grad, a.residual, a.prescale, n, base, threshold, ties, idx,
+                                    values, fp16_values);
   });
   return kept;
 }
 
-constexpr Kernels kTable{
-    GZ_ISA_NAME, encode_fp32, encode_fp16, encode_bf16, encode_int8, encode_sign,
-    decode_fp32, decode_fp16, decode_bf16, decode_int8, decode_sign,
-    topk_hist0,  topk_collect, topk_emit,
+constexpr CpuLoops kTable{
+    GZ_ISA_NAME, encode_fp32, encode_fp16, encode_bf16, encode_int8, encode_sign,  decode_fp32,
+    decode_fp16, decode_bf16, decode_int8, decode_sign, topk_hist0,  topk_collect, topk_emit,
 };
 
 }  // namespace
 
-const Kernels& GZ_CAT(kernels_, GZ_ISA_NS)() { return kTable; }
+const CpuLoops& GZ_CAT(cpu_loops_, GZ_ISA_NS)() { return kTable; }
 
 }  // namespace gradzip::detail

@@ -77,9 +77,12 @@ def test_tiny_run_writes_results_and_cleans_up(tmp_path):
 
 @needs_netns
 def test_interrupt_removes_namespaces(tmp_path):
+    # SIGINT at its default in the child: a test run from a background job inherits it ignored,
+    # and bash cannot trap a signal ignored at entry
     p = subprocess.Popen(["bash", str(RUN), "--rate", "1gbit", "--out", str(tmp_path / "x"),
                           "--model", "vit-t14", "--size", "56", "--hooks", "none"],
-                         env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                         env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 60
     while not (tmp_path / "x" / "logs" / "none.rank0.log").exists():
         assert time.monotonic() < deadline and p.poll() is None, "run.sh did not start its ranks"

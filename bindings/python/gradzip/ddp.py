@@ -39,8 +39,8 @@ _STATE_VERSION = 3
 
 
 class _Config:
-    """What every rank must agree on, and the per-step policy shared by the hook and the
-    simulation: warm-up steps and small buckets go uncompressed."""
+    """What every rank must agree on, and the per-step policy shared by the hook, the
+    simulation and gradzip.fsdp: warm-up steps and small buckets go uncompressed."""
 
     def __init__(self, codec: str, error_feedback: bool, warmup_steps: int, min_compress_numel: int,
                  guard_nonfinite: bool, optimizer=None):

@@ -36,7 +36,8 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from . import _ops  # noqa: F401  (loads the extension that defines torch.classes.gradzip)
 from ._groups import reducing_group, require_same_config
-from .collective import CodecPlan, TrafficStats, _tuplify
+from .collective import TrafficStats, _tuplify
+from .ddp import _Config
 
 __all__ = ["compress", "FSDPCompressionState", "CompressedReduceScatter"]
 
@@ -141,13 +142,9 @@ class FSDPCompressionState:
 
     def __init__(self, codec: str, error_feedback: bool = True, warmup_steps: int = 0,
                  min_compress_numel: int = 4096, guard_nonfinite: bool = True):
-        self.plan = CodecPlan.parse(codec)
-        if warmup_steps < 0 or min_compress_numel < 0:
-            raise ValueError("gradzip: warmup_steps and min_compress_numel must be >= 0")
-        self.error_feedback = bool(error_feedback)
-        self.warmup_steps = int(warmup_steps)
-        self.min_compress_numel = int(min_compress_numel)
-        self.guard_nonfinite = bool(guard_nonfinite)
+        # the settings, their checks and the warm-up / small-group policy are the DDP hook's
+        self.config = _Config(codec, error_feedback, warmup_steps, min_compress_numel,
+                              guard_nonfinite)
         self.step = 0
         self._params: Dict[int, Tuple[_Param, ...]] = {}  # per group index, set by compress()
         self._groups: Dict[int, _GroupState] = {}
@@ -156,12 +153,12 @@ class FSDPCompressionState:
         self._stats = TrafficStats()
         self._runtime = None
         self._group_name = None
-        self._guard = self._new_guard()
+        self._guard = self.config.new_guard()
         self._guard_step = 0
 
     @property
     def codec(self) -> str:
-        return self.plan.spec
+        return self.config.codec
 
     @property
     def stats(self) -> dict:
@@ -170,9 +167,7 @@ class FSDPCompressionState:
     def describe(self, world: int) -> str:
         groups = ",".join(f"{i}:{len(p)}:{sum(math.prod(q.size) for q in p)}"
                           for i, p in sorted(self._params.items()))
-        return (f"codec={self.plan.spec} error_feedback={int(self.error_feedback)} "
-                f"warmup_steps={self.warmup_steps} min_compress_numel={self.min_compress_numel} "
-                f"guard_nonfinite={int(self.guard_nonfinite)} world={world} groups={groups}")
+        return f"{self.config.describe(world)} groups={groups}"
 
     # -- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -181,17 +176,18 @@ class FSDPCompressionState:
                       "residual": None if g.residual is None else g.residual.detach().clone()}
                   for i, g in self._groups.items()}
         groups.update({i: d for i, d in self._loaded.items() if i not in groups})
-        return {"version": _STATE_VERSION, "codec": self.plan.spec, "step": self.step,
-                "error_feedback": self.error_feedback, "groups": groups}
+        return {"version": _STATE_VERSION, "codec": self.config.codec, "step": self.step,
+                "error_feedback": self.config.error_feedback, "groups": groups}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("version") != _STATE_VERSION:
             raise ValueError(f"gradzip: unsupported FSDPCompressionState version "
                              f"{state.get('version')} (this gradzip reads version {_STATE_VERSION})")
-        if state["codec"] != self.plan.spec or bool(state["error_feedback"]) != self.error_feedback:
+        cfg = self.config
+        if state["codec"] != cfg.codec or bool(state["error_feedback"]) != cfg.error_feedback:
             raise ValueError(f"gradzip: checkpoint was saved with codec {state['codec']!r}, "
                              f"error_feedback={state['error_feedback']}; this state uses "
-                             f"{self.plan.spec!r}, error_feedback={self.error_feedback}")
+                             f"{cfg.codec!r}, error_feedback={cfg.error_feedback}")
         unknown = set(state["groups"]) - set(self._params)
         if unknown:
             raise ValueError(f"gradzip: checkpoint holds parameter groups {sorted(unknown)} that "
@@ -209,14 +205,10 @@ class FSDPCompressionState:
 
     def __setstate__(self, d):
         self.__dict__.update(d)
-        self._guard = self._new_guard()
+        self._guard = self.config.new_guard()
         self._guard_step = self.step
 
     # -- internals --------------------------------------------------------------------------------
-    def _new_guard(self):
-        return torch.classes.gradzip.NonfiniteGuard() \
-            if self.guard_nonfinite and self.error_feedback else None
-
     def _commit(self) -> None:
         """Settles the finished step: restores the residuals if a reduced shard was not finite, and
         raises a decode error the device has reported."""
@@ -235,7 +227,7 @@ class FSDPCompressionState:
         if self._runtime is None:
             require_same_config(self.describe(group.size()), group, device, "gradzip.fsdp")
             self._runtime = torch.classes.gradzip.CompressedAllreduce(
-                reducing_group(group, device).group_name, self.plan.spec, self._guard)
+                reducing_group(group, device).group_name, self.config.codec, self._guard)
             self._group_name = group.group_name
         elif group.group_name != self._group_name:
             raise ValueError("gradzip.fsdp: every parameter group must reduce over the same "
@@ -247,7 +239,7 @@ class FSDPCompressionState:
         st = self._groups.get(index)
         if st is None:
             residual = None
-            if self.error_feedback:
+            if self.config.error_feedback:
                 residual = torch.zeros(world * layout.shard, dtype=torch.float32, device=device)
             saved = self._loaded.pop(index, None)
             if saved is not None:
@@ -285,12 +277,11 @@ class FSDPCompressionState:
             raise ValueError(f"gradzip.fsdp: parameter group {index}: reduce-scatter of "
                              f"{input.numel()} -> {output.numel()} elements, its parameters make "
                              f"{world} x {st.layout.shard} (parameters changed after compress()?)")
-        compressed = (self.step >= self.warmup_steps
-                      and input.numel() >= max(self.min_compress_numel, world))
+        compressed = self.config.compresses(self.step, input.numel(), world)
         item = input.element_size()
         raw = (world - 1) * st.layout.shard * item
         if compressed:
-            sent, received = _ops.reduce_scatter_traffic(self.plan.spec, world, rank,
+            sent, received = _ops.reduce_scatter_traffic(self.config.codec, world, rank,
                                                          st.layout.numels)
         else:
             sent = received = raw

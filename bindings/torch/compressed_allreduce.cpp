@@ -101,34 +101,15 @@ c10::intrusive_ptr<c10::ivalue::Future> CompressedAllreduce::reduce(
   std::shared_ptr<BucketReduction> r =
       compress ? bucket_reduction(index, numels, x, Collective::allreduce) : nullptr;
   const bool copy_back = !bucket.is_same(x);
-  std::vector<c10::Device> devices;
-  if (x.is_cuda()) devices.push_back(x.device());
-  auto future = c10::make_intrusive<c10::ivalue::Future>(
-      c10::ListType::create(c10::TensorType::get()), devices);
-
-  // Captures no `this`: on the CPU path it may run after this object is gone.
-  auto work = [group = group_, guard = guard_, r, bucket, x, residual, owner_residual, copy_back,
-               future] {
-    try {
-      const at::NoGradGuard no_grad;
-      if (r)
-        run(*group, *r, x, residual, owner_residual);
-      else
-        allreduce_average(*group, x);
-      if (guard) guard->flag(x);
-      if (copy_back) bucket.copy_(x);
-      future->markCompleted(c10::IValue(c10::List<at::Tensor>({bucket})));
-    } catch (...) {
-      future->setError(std::current_exception());
-    }
-  };
-  if (!x.is_cuda()) {
-    submit(std::move(work));
-    return future;
-  }
-  work();
-  if (r && !future->hasError()) watch_decodes(*r, bucket, index);
-  return future;
+  return launch(index, bucket, r, [group = group_, guard = guard_, r, bucket, x, residual,
+                                   owner_residual, copy_back] {
+    if (r)
+      run(*group, *r, x, residual, owner_residual);
+    else
+      allreduce_average(*group, x);
+    if (guard) guard->flag(x);
+    if (copy_back) bucket.copy_(x);
+  });
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> CompressedAllreduce::reduce_scatter(
@@ -143,29 +124,39 @@ c10::intrusive_ptr<c10::ivalue::Future> CompressedAllreduce::reduce_scatter(
   std::shared_ptr<BucketReduction> r = bucket_reduction(index, numels, x, Collective::reduce_scatter);
   // The sum is fp32; an output of another dtype receives it rounded once.
   const at::Tensor sum = output.scalar_type() == at::kFloat ? output : output.to(at::kFloat);
+  return launch(index, output, r, [group = group_, guard = guard_, r, output, sum, x, residual,
+                                   prescale] {
+    r->encode(x, residual, static_cast<float>(prescale));
+    group->alltoall_base(r->recv, r->send, r->recv_splits, r->send_splits)->wait();
+    r->sum_shard(sum);
+    if (guard) guard->flag(sum);
+    if (!sum.is_same(output)) output.copy_(sum);
+  });
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> CompressedAllreduce::launch(
+    int64_t index, const at::Tensor& result, const std::shared_ptr<BucketReduction>& r,
+    std::function<void()> body) {
   std::vector<c10::Device> devices;
-  if (x.is_cuda()) devices.push_back(x.device());
+  if (result.is_cuda()) devices.push_back(result.device());
   auto future = c10::make_intrusive<c10::ivalue::Future>(
       c10::ListType::create(c10::TensorType::get()), devices);
-  auto work = [group = group_, guard = guard_, r, output, sum, x, residual, prescale, future] {
+  // Captures no `this`: on the CPU path it may run after this object is gone.
+  auto work = [body = std::move(body), result, future] {
     try {
       const at::NoGradGuard no_grad;
-      r->encode(x, residual, static_cast<float>(prescale));
-      group->alltoall_base(r->recv, r->send, r->recv_splits, r->send_splits)->wait();
-      r->sum_shard(sum);
-      if (guard) guard->flag(sum);
-      if (!sum.is_same(output)) output.copy_(sum);
-      future->markCompleted(c10::IValue(c10::List<at::Tensor>({output})));
+      body();
+      future->markCompleted(c10::IValue(c10::List<at::Tensor>({result})));
     } catch (...) {
       future->setError(std::current_exception());
     }
   };
-  if (!x.is_cuda()) {
+  if (!result.is_cuda()) {
     submit(std::move(work));
     return future;
   }
   work();
-  if (!future->hasError()) watch_decodes(*r, output, index);
+  if (r && !future->hasError()) watch_decodes(*r, result, index);
   return future;
 }
 

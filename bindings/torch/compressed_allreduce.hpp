@@ -92,6 +92,11 @@ class CompressedAllreduce : public torch::CustomClassHolder {
 
   std::shared_ptr<BucketReduction> bucket_reduction(int64_t index, const std::vector<int64_t>& numels,
                                                     const at::Tensor& x, Collective collective);
+  // Runs `body` (a reduction that leaves its value in `result`, capturing no `this`) on the CPU
+  // thread, or at once on the CUDA stream (then watches r's decodes); returns the Future of `result`.
+  c10::intrusive_ptr<c10::ivalue::Future> launch(int64_t index, const at::Tensor& result,
+                                                 const std::shared_ptr<BucketReduction>& r,
+                                                 std::function<void()> body);
   // CUDA: NaN-fills `result` on the device if a decode of `r`'s last step failed, and queues the
   // host-side check of its status words for check_errors().
   void watch_decodes(const BucketReduction& r, const at::Tensor& result, int64_t index);

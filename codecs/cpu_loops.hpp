@@ -306,20 +306,18 @@ size_t topk_emit_loop(const float* __restrict g, float* __restrict r, float p, s
   alignas(64) uint8_t hit[kSub];
   for (size_t s = 0; s < n; s += kSub) {
     const size_t m = min_sz(kSub, n - s);
-    uint32_t any = 0;
-    for (size_t i = 0; i < m; ++i) {  // vectorised: every element as if not kept
+    // Vectorised: every element as if not kept. (No "any hit" reduction here: next to the
+    // residual stores it keeps GCC from vectorising the loop; the flag scan below is cheap.)
+    for (size_t i = 0; i < m; ++i) {
       const float ci = cin<EF>(g, r, p, s + i);
       c[i] = ci;
-      const uint8_t h = el::topk_key(ci) >= threshold;
-      hit[i] = h;
-      any |= h;
+      hit[i] = el::topk_key(ci) >= threshold;
       if constexpr (EF) {
         const float o = r[s + i];
         old[i] = o;
         r[s + i] = el::ef_residual(ci, 0.0f, o);
       }
     }
-    if (!any) continue;
     for_each_flag(hit, m, [&](size_t i) {  // rare: keys at or above the threshold
       const uint32_t key = el::topk_key(c[i]);
       if (key == threshold) {
@@ -351,9 +349,74 @@ size_t topk_emit(EncodeArgs a, size_t n, uint32_t base, uint32_t threshold, uint
   return kept;
 }
 
+// Sampled top-k, pass 1 (read only): every element whose key is at least lo, as its index
+// (base + i) and the bits of its c, in index order. Stores the first `cap`; returns how many there
+// are (more than cap: the caller falls back to the full radix select).
+template <bool EF>
+size_t topk_gather_loop(const float* __restrict g, const float* __restrict r, float p, size_t n,
+                        uint32_t base, uint32_t lo, size_t cap, uint32_t* __restrict idx,
+                        uint32_t* __restrict bits) {
+  size_t count = 0;
+  alignas(64) float c[kSub];
+  alignas(64) uint8_t hit[kSub];
+  for (size_t s = 0; s < n; s += kSub) {
+    const size_t m = min_sz(kSub, n - s);
+    uint32_t any = 0;
+    for (size_t i = 0; i < m; ++i) {  // vectorised: c and the flags
+      const float ci = cin<EF>(g, r, p, s + i);
+      c[i] = ci;
+      hit[i] = el::topk_key(ci) >= lo;
+      any |= el::topk_key(ci) >= lo;
+    }
+    if (any)
+      for_each_flag(hit, m, [&](size_t i) {
+        if (count < cap) {
+          idx[count] = base + static_cast<uint32_t>(s + i);
+          bits[count] = el::float_bits(c[i]);
+        }
+        ++count;
+      });
+  }
+  return count;
+}
+size_t topk_gather(EncodeArgs a, size_t n, uint32_t base, uint32_t lo, size_t cap, uint32_t* idx,
+                   uint32_t* bits) {
+  size_t count = 0;
+  with_ef(a, [&](auto ef) {
+    count = topk_gather_loop<ef.value>(a.grad, a.residual, a.prescale, n, base, lo, cap, idx, bits);
+  });
+  return count;
+}
+
+// Sampled top-k, residual pass: every element as if not kept (one vectorised streaming pass),
+// then the kept ones (sorted global indices) patched while their sub-block is in L1.
+void topk_residual(EncodeArgs a, size_t n, uint32_t base, const uint32_t* __restrict kept,
+                   size_t kept_count, bool fp16_values) {
+  const float* __restrict g = a.grad;
+  float* __restrict r = a.residual;
+  const float p = a.prescale;
+  alignas(64) float old[kSub];
+  size_t j = 0;
+  for (size_t s = 0; s < n; s += kSub) {
+    const size_t m = min_sz(kSub, n - s);
+    for (size_t i = 0; i < m; ++i) {
+      const float o = r[s + i];
+      old[i] = o;
+      r[s + i] = el::ef_residual(el::ef_input(g[s + i], p, o), 0.0f, o);
+    }
+    for (; j < kept_count && kept[j] - base < s + m; ++j) {
+      const size_t i = kept[j] - base - s;
+      const float c = el::ef_input(g[s + i], p, old[i]);
+      const float decoded = fp16_values ? el::fp16_to_float(el::float_to_fp16(c)) : c;
+      r[s + i] = el::ef_residual(c, decoded, old[i]);
+    }
+  }
+}
+
 constexpr CpuLoops kTable{
     GZ_ISA_NAME, encode_fp32, encode_fp16, encode_bf16, encode_int8, encode_sign,  decode_fp32,
     decode_fp16, decode_bf16, decode_int8, decode_sign, topk_hist0,  topk_collect, topk_emit,
+    topk_gather, topk_residual,
 };
 
 }  // namespace

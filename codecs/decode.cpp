@@ -65,14 +65,24 @@ void decode_impl(const void* wire, size_t bytes, float* out, size_t n, bool add)
         });
       const auto* idx = reinterpret_cast<const uint32_t*>(payload + l.section0);
       const size_t kk = h.param;
-      // indices are strictly increasing (validated), so ranges of them write disjoint outputs
+      const auto* f32 = reinterpret_cast<const float*>(payload + l.section1);
+      const auto* f16 = reinterpret_cast<const uint16_t*>(payload + l.section1);
+      // Indices are strictly increasing (validated), so ranges of them write disjoint outputs.
+      // fp16 values are widened 256 at a time by the vectorised decoder first: converted inside
+      // the scatter loop they made it four times slower.
       detail::parallel_ranges(kk, 16, [&](size_t b, size_t e) {
-        for (size_t j = b; j < e; ++j) {
-          const float v =
-              fp16_values
-                  ? element::fp16_to_float(reinterpret_cast<const uint16_t*>(payload + l.section1)[j])
-                  : reinterpret_cast<const float*>(payload + l.section1)[j];
-          out[idx[j]] = add ? out[idx[j]] + v : v;
+        alignas(64) float widened[256];
+        for (size_t s = b; s < e; s += 256) {
+          const size_t m = e - s < 256 ? e - s : 256;
+          const float* v = f32 + s;
+          if (fp16_values) {
+            k.decode_fp16(f16 + s, m, widened, false);
+            v = widened;
+          }
+          for (size_t j = 0; j < m; ++j) {
+            float& o = out[idx[s + j]];
+            o = add ? o + v[j] : v[j];
+          }
         }
       });
       break;

@@ -53,6 +53,14 @@ struct CpuLoops {
   // number kept.
   size_t (*topk_emit)(EncodeArgs a, size_t n, uint32_t base, uint32_t threshold, uint64_t ties,
                       uint32_t* idx, void* values, bool fp16_values);
+  // Sampled top-k pass 1: stores base + i and the bits of c[i] for the first `cap` elements whose
+  // key is >= lo (index order); returns how many such elements there are.
+  size_t (*topk_gather)(EncodeArgs a, size_t n, uint32_t base, uint32_t lo, size_t cap,
+                        uint32_t* idx, uint32_t* bits);
+  // Sampled top-k, error feedback: the residual of every element, given the sorted global
+  // indices of the kept ones (their value is c, or fp16(c) when fp16_values).
+  void (*topk_residual)(EncodeArgs a, size_t n, uint32_t base, const uint32_t* kept,
+                        size_t kept_count, bool fp16_values);
 };
 
 const CpuLoops& cpu_loops_portable();

@@ -1,4 +1,14 @@
-// Radix select for top-k. Passes over the input (each a kernel call per chunk, chunks fixed by n):
+// Exact top-k on the CPU, two ways to the same bytes (the selection is unique: largest keys, ties
+// to the lowest indices).
+//
+// Sampled (k up to about n / 4; two passes over the input): a fixed sample of keys gives a bound lo
+// that lies below the k-th largest key with overwhelming probability; one read-only pass keeps
+// every element with key >= lo as an (index, c) pair, the exact threshold is selected among those
+// pairs (a few percent of n, in cache), the pairs give the output, and with error feedback one
+// streaming pass rewrites the residual. If the bound was too high (fewer than k pairs) or a chunk
+// has more pairs than its workspace holds, the full radix select below runs instead.
+//
+// Full radix select (passes over the input, each a kernel call per chunk, chunks fixed by n):
 //   1. histogram of the first digit of every key;
 //   2. compaction of the indices whose first digit is the threshold's (the "candidates"), with a
 //      count per chunk of the keys above it;
@@ -8,9 +18,12 @@
 //      pass.
 #include "topk.hpp"
 
+#include <algorithm>
 #include <array>
 #include <atomic>
+#include <cmath>
 #include <cstring>
+#include <functional>
 
 #include "gradzip/gradzip.hpp"
 #include "parallel.hpp"
@@ -35,81 +48,214 @@ uint32_t select_digit(const Hist& hist, uint32_t digits, uint64_t& k) {
 
 struct Chunk {
   size_t begin = 0, len = 0;
-  size_t candidates = 0;  // indices in cand[begin, begin + candidates)
-  uint64_t above = 0;     // keys above the threshold found so far
+  size_t pairs = 0;       // sampled path: (index, c) pairs stored
+  size_t candidates = 0;  // keys equal to the threshold (so far, while it is refined)
+  uint64_t above = 0;     // keys above the threshold
   uint64_t quota = 0;     // ties this chunk keeps
   uint64_t offset = 0;    // first output slot
 };
 
-}  // namespace
-
-void encode_topk(const CpuLoops& loops, EncodeArgs a, size_t n, uint64_t k, uint32_t* idx,
-                 void* values, bool fp16_values, uint32_t* cand) {
-  if (k == 0) return;
-  const size_t clen = topk_chunk_len(n);
-  const size_t nch = topk_num_chunks(n);
+struct Plan {
+  const CpuLoops& loops;
+  EncodeArgs a;
+  size_t n;
+  uint64_t k;
+  uint32_t* idx;
+  void* values;
+  bool fp16_values;
+  uint32_t* cand;
   std::array<Chunk, kTopkMaxChunks> chunks{};
-  for (size_t c = 0; c < nch; ++c) {
-    chunks[c].begin = c * clen;
-    chunks[c].len = (c + 1) * clen < n ? clen : n - c * clen;
-  }
-  auto args_at = [&](size_t begin) {
+  size_t nch = 0;
+  int threads = 1;
+
+  EncodeArgs args_at(size_t begin) const {
     EncodeArgs x = a;
     x.grad += begin;
     if (x.residual) x.residual += begin;
     return x;
-  };
-  const int threads = threads_for(n) < static_cast<int>(nch) ? threads_for(n) : static_cast<int>(nch);
+  }
+  // Ties go to the lowest indices: each chunk keeps its ties while `ties` lasts, in chunk order;
+  // its output starts after everything the chunks before it keep.
+  void assign_offsets(uint64_t ties) {
+    uint64_t offset = 0;
+    for (size_t c = 0; c < nch; ++c) {
+      Chunk& ch = chunks[c];
+      ch.quota = ch.candidates < ties ? ch.candidates : ties;
+      ties -= ch.quota;
+      ch.offset = offset;
+      offset += ch.above + ch.quota;
+    }
+    if (offset != k || ties != 0)
+      throw Error(Status::invalid_argument, "gradzip: top-k selection inconsistent");
+  }
+};
 
+// ---- sampled path -----------------------------------------------------------------------------
+constexpr size_t kSampleSize = 4096;  // on the stack: nothing allocates on the hot path
+
+// A key that is at most the k-th largest unless the sample is far off: the sample's key of rank
+// (expected count above the threshold) + 4 standard deviations + 8. False when that rank is past a
+// quarter of the sample: for k that large a fraction of n the full radix select is faster
+// (measured on 16M elements: the sampled path wins at 10 %, loses at 30 %).
+bool sample_bound(const Plan& p, uint32_t& lo) {
+  const size_t s = p.n < kSampleSize ? p.n : kSampleSize;
+  const double expected = static_cast<double>(p.k) * static_cast<double>(s) / static_cast<double>(p.n);
+  const size_t rank = static_cast<size_t>(expected + 4.0 * std::sqrt(expected) + 8.0);
+  if (4 * rank > s) return false;
+  std::array<uint32_t, kSampleSize> keys;
+  for (size_t j = 0; j < s; ++j) keys[j] = el::topk_key(encode_input(p.a, j * p.n / s));
+  std::nth_element(keys.begin(), keys.begin() + static_cast<long>(rank - 1),
+                   keys.begin() + static_cast<long>(s), std::greater<>());
+  // Exact zeros are common (sparse gradients) and would make every element a pair.
+  lo = keys[rank - 1] > 0 ? keys[rank - 1] : 1;
+  return true;
+}
+
+// A chunk's pairs live in its own workspace range: indices in the first half, bits of c in the
+// second.
+size_t pair_cap(const Chunk& ch) { return ch.len / 2; }
+uint32_t* pair_idx(const Plan& p, const Chunk& ch) { return p.cand + ch.begin; }
+uint32_t* pair_bits(const Plan& p, const Chunk& ch) { return p.cand + ch.begin + pair_cap(ch); }
+
+bool sampled_topk(Plan& p) {
+  uint32_t lo = 0;
+  if (!sample_bound(p, lo)) return false;
+  std::atomic<bool> fits{true};
+  parallel_items(p.nch, p.threads, [&](size_t c) {
+    Chunk& ch = p.chunks[c];
+    ch.pairs = p.loops.topk_gather(p.args_at(ch.begin), ch.len, static_cast<uint32_t>(ch.begin), lo,
+                                   pair_cap(ch), pair_idx(p, ch), pair_bits(p, ch));
+    if (ch.pairs > pair_cap(ch)) fits.store(false, std::memory_order_relaxed);
+  });
+  size_t total = 0;
+  for (size_t c = 0; c < p.nch; ++c) total += p.chunks[c].pairs;
+  if (!fits.load() || total < p.k) return false;
+
+  // The threshold among the pairs: every key above it is a pair, so ranks there are global.
+  const int threads = total < kMinElementsPerThread * 8 ? 1 : p.threads;
+  uint64_t rank = p.k;
+  uint32_t prefix = 0, prefix_mask = 0;
+  for (int level = 0; level < 3; ++level) {
+    const int shift = el::kTopkDigitShift[level];
+    const uint32_t mask = el::kTopkDigitMask[level];
+    Hist hist{};
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+      alignas(64) uint32_t local[el::kTopkRadix] = {};
+#pragma omp for schedule(static)
+      for (long long c = 0; c < static_cast<long long>(p.nch); ++c) {
+        const Chunk& ch = p.chunks[c];
+        const uint32_t* bits = pair_bits(p, ch);
+        for (size_t j = 0; j < ch.pairs; ++j) {
+          const uint32_t key = bits[j] & el::kAbsMask;
+          if ((key & prefix_mask) == prefix) ++local[(key >> shift) & mask];
+        }
+      }
+#pragma omp critical(gradzip_topk_hist)
+      for (uint32_t d = 0; d <= mask; ++d) hist[d] += local[d];
+    }
+    prefix |= select_digit(hist, mask + 1, rank) << shift;
+    prefix_mask |= mask << shift;
+  }
+  const uint32_t threshold = prefix;
+
+  parallel_items(p.nch, threads, [&](size_t c) {
+    Chunk& ch = p.chunks[c];
+    const uint32_t* bits = pair_bits(p, ch);
+    uint64_t above = 0, ties = 0;
+    for (size_t j = 0; j < ch.pairs; ++j) {
+      const uint32_t key = bits[j] & el::kAbsMask;
+      above += key > threshold;
+      ties += key == threshold;
+    }
+    ch.above = above;
+    ch.candidates = ties;
+  });
+  p.assign_offsets(rank);
+
+  // Output from the pairs (in index order), then (error feedback) the residual pass.
+  parallel_items(p.nch, threads, [&](size_t c) {
+    const Chunk& ch = p.chunks[c];
+    const uint32_t* pidx = pair_idx(p, ch);
+    const uint32_t* bits = pair_bits(p, ch);
+    uint64_t ties = ch.quota, o = ch.offset;
+    for (size_t j = 0; j < ch.pairs; ++j) {
+      const uint32_t key = bits[j] & el::kAbsMask;
+      if (key < threshold) continue;
+      if (key == threshold) {
+        if (ties == 0) continue;
+        --ties;
+      }
+      p.idx[o] = pidx[j];
+      const float v = el::bits_float(bits[j]);
+      if (p.fp16_values) static_cast<uint16_t*>(p.values)[o] = el::float_to_fp16(v);
+      else static_cast<float*>(p.values)[o] = v;
+      ++o;
+    }
+  });
+  if (p.a.residual)
+    parallel_items(p.nch, p.threads, [&](size_t c) {
+      const Chunk& ch = p.chunks[c];
+      p.loops.topk_residual(p.args_at(ch.begin), ch.len, static_cast<uint32_t>(ch.begin),
+                            p.idx + ch.offset, ch.above + ch.quota, p.fp16_values);
+    });
+  return true;
+}
+
+// ---- full radix select ------------------------------------------------------------------------
+std::atomic<uint64_t> radix_runs{0};
+
+void radix_topk(Plan& p) {
+  radix_runs.fetch_add(1, std::memory_order_relaxed);
   // 1. first-digit histogram (per-thread counts merged: integer sums, order-independent)
   Hist hist{};
-#pragma omp parallel num_threads(threads) if (threads > 1)
+#pragma omp parallel num_threads(p.threads) if (p.threads > 1)
   {
     const IeeeFloatMode ieee;
     alignas(64) uint32_t local[el::kTopkRadix] = {};
 #pragma omp for schedule(static)
-    for (long long c = 0; c < static_cast<long long>(nch); ++c)
-      loops.topk_hist0(args_at(chunks[c].begin), chunks[c].len, local);
+    for (long long c = 0; c < static_cast<long long>(p.nch); ++c)
+      p.loops.topk_hist0(p.args_at(p.chunks[c].begin), p.chunks[c].len, local);
 #pragma omp critical(gradzip_topk_hist)
     for (int d = 0; d < el::kTopkRadix; ++d) hist[d] += local[d];
   }
-  uint64_t rank = k;
+  uint64_t rank = p.k;
   const uint32_t d0 = select_digit(hist, el::kTopkDigitMask[0] + 1, rank);
 
   // 2. candidates of the threshold bucket
-  parallel_items(nch, threads, [&](size_t c) {
-    Chunk& ch = chunks[c];
-    ch.candidates = loops.topk_collect(args_at(ch.begin), ch.len, static_cast<uint32_t>(ch.begin),
-                                         d0, cand + ch.begin, &ch.above);
+  parallel_items(p.nch, p.threads, [&](size_t c) {
+    Chunk& ch = p.chunks[c];
+    ch.candidates = p.loops.topk_collect(p.args_at(ch.begin), ch.len, static_cast<uint32_t>(ch.begin),
+                                         d0, p.cand + ch.begin, &ch.above);
   });
 
   // 3. remaining digits over the candidates (serial when few: a parallel region costs more)
   size_t total = 0;
-  for (size_t c = 0; c < nch; ++c) total += chunks[c].candidates;
-  const int cand_threads = total < kMinElementsPerThread * 8 ? 1 : threads;
+  for (size_t c = 0; c < p.nch; ++c) total += p.chunks[c].candidates;
+  const int cand_threads = total < kMinElementsPerThread * 8 ? 1 : p.threads;
   uint32_t threshold = d0 << el::kTopkDigitShift[0];
   for (int level = 1; level < 3; ++level) {
     const int shift = el::kTopkDigitShift[level];
     const uint32_t mask = el::kTopkDigitMask[level];
-    auto digit = [&](uint32_t i) { return (el::topk_key(encode_input(a, i)) >> shift) & mask; };
+    auto digit = [&](uint32_t i) { return (el::topk_key(encode_input(p.a, i)) >> shift) & mask; };
     hist.fill(0);
 #pragma omp parallel num_threads(cand_threads) if (cand_threads > 1)
     {
       const IeeeFloatMode ieee;
       alignas(64) uint32_t local[el::kTopkRadix] = {};
 #pragma omp for schedule(static)
-      for (long long c = 0; c < static_cast<long long>(nch); ++c) {
-        const uint32_t* cc = cand + chunks[c].begin;
-        for (size_t j = 0; j < chunks[c].candidates; ++j) ++local[digit(cc[j])];
+      for (long long c = 0; c < static_cast<long long>(p.nch); ++c) {
+        const uint32_t* cc = p.cand + p.chunks[c].begin;
+        for (size_t j = 0; j < p.chunks[c].candidates; ++j) ++local[digit(cc[j])];
       }
 #pragma omp critical(gradzip_topk_hist)
       for (uint32_t d = 0; d <= mask; ++d) hist[d] += local[d];
     }
     const uint32_t dl = select_digit(hist, mask + 1, rank);
     threshold |= dl << shift;
-    parallel_items(nch, cand_threads, [&](size_t c) {
-      Chunk& ch = chunks[c];
-      uint32_t* cc = cand + ch.begin;
+    parallel_items(p.nch, cand_threads, [&](size_t c) {
+      Chunk& ch = p.chunks[c];
+      uint32_t* cc = p.cand + ch.begin;
       size_t kept = 0;
       uint64_t above = 0;
       for (size_t j = 0; j < ch.candidates; ++j) {
@@ -123,29 +269,40 @@ void encode_topk(const CpuLoops& loops, EncodeArgs a, size_t n, uint64_t k, uint
     });
   }
 
-  // 4. quotas (lowest indices first) and output offsets, then emit
-  uint64_t ties_left = rank, offset = 0;
-  for (size_t c = 0; c < nch; ++c) {
-    Chunk& ch = chunks[c];
-    ch.quota = ch.candidates < ties_left ? ch.candidates : ties_left;
-    ties_left -= ch.quota;
-    ch.offset = offset;
-    offset += ch.above + ch.quota;
-  }
-  if (offset != k || ties_left != 0)
-    throw Error(Status::invalid_argument, "gradzip: top-k selection inconsistent");
-  const size_t value_size = fp16_values ? 2 : 4;
+  // 4. quotas and output offsets, then emit
+  p.assign_offsets(rank);
+  const size_t value_size = p.fp16_values ? 2 : 4;
   std::atomic<bool> consistent{true};
-  parallel_items(nch, threads, [&](size_t c) {
-    const Chunk& ch = chunks[c];
-    const size_t kept = loops.topk_emit(
-        args_at(ch.begin), ch.len, static_cast<uint32_t>(ch.begin), threshold, ch.quota,
-        idx + ch.offset, static_cast<char*>(values) + ch.offset * value_size, fp16_values);
+  parallel_items(p.nch, p.threads, [&](size_t c) {
+    const Chunk& ch = p.chunks[c];
+    const size_t kept = p.loops.topk_emit(
+        p.args_at(ch.begin), ch.len, static_cast<uint32_t>(ch.begin), threshold, ch.quota,
+        p.idx + ch.offset, static_cast<char*>(p.values) + ch.offset * value_size, p.fp16_values);
     if (kept != ch.above + ch.quota) consistent.store(false, std::memory_order_relaxed);
   });
   if (!consistent.load())
     throw Error(Status::invalid_argument, "gradzip: top-k emit inconsistent (input modified "
                                           "during encode?)");
 }
+
+}  // namespace
+
+void encode_topk(const CpuLoops& loops, EncodeArgs a, size_t n, uint64_t k, uint32_t* idx,
+                 void* values, bool fp16_values, uint32_t* cand) {
+  if (k == 0) return;
+  Plan p{loops, a, n, k, idx, values, fp16_values, cand};
+  const size_t clen = topk_chunk_len(n);
+  p.nch = topk_num_chunks(n);
+  for (size_t c = 0; c < p.nch; ++c) {
+    p.chunks[c].begin = c * clen;
+    p.chunks[c].len = (c + 1) * clen < n ? clen : n - c * clen;
+  }
+  p.threads = threads_for(n) < static_cast<int>(p.nch) ? threads_for(n) : static_cast<int>(p.nch);
+  if (sampled_topk(p)) return;
+  for (size_t c = 0; c < p.nch; ++c) p.chunks[c] = Chunk{p.chunks[c].begin, p.chunks[c].len};
+  radix_topk(p);
+}
+
+uint64_t topk_radix_runs() { return radix_runs.load(); }
 
 }  // namespace gradzip::detail

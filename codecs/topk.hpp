@@ -15,4 +15,7 @@ namespace gradzip::detail {
 void encode_topk(const CpuLoops& loops, EncodeArgs a, size_t n, uint64_t k, uint32_t* idx,
                  void* values, bool fp16_values, uint32_t* cand);
 
+// Tests: how many encodes so far took the full radix select instead of the sampled path.
+uint64_t topk_radix_runs();
+
 }  // namespace gradzip::detail

@@ -1,8 +1,9 @@
 // CPU throughput of every codec: encode, fused error-feedback encode and decode_add at 1M, 16M and
 // 64M elements, each reporting the bytes its pass must read and write (SetBytesProcessed), next
 // to a memcpy that moves the same number of bytes with the same threads. The counter
-// `floor_ratio` = memcpy time / codec time (1.0 = at the memory-bandwidth floor); report.py turns
-// the JSON of a run into a table.
+// `floor_ratio` = memcpy time / codec time (1.0 = at the memory-bandwidth floor); top-k's
+// decode_add also reports `line_floor_ratio`, against the cache lines its scatter must move.
+// report.py turns the JSON of a run into a table.
 //
 //   gradzip_bench_cpu [--benchmark_filter=encode_ef] [--benchmark_repetitions=5]
 #include <benchmark/benchmark.h>
@@ -134,6 +135,16 @@ void bench_codec(benchmark::State& state, std::string spec, Mode mode, size_t n)
       static_cast<double>(state.iterations());
   state.SetBytesProcessed(static_cast<int64_t>(bytes) * state.iterations());
   state.counters["floor_ratio"] = floor_s / per_iter;
+  if (mode == Mode::decode_add && codec.kind() == gradzip::CodecKind::topk) {
+    // A scattered add moves whole cache lines: each 64-byte line of `out` holding a kept index
+    // is read and written back. The same memcpy, sized by those lines, is the floor it can reach.
+    const size_t k = codec.topk_k(n);
+    std::vector<uint32_t> idx(k);
+    std::memcpy(idx.data(), d.wire.data() + gradzip::kHeaderBytes, 4 * k);
+    size_t lines = 0;
+    for (size_t j = 0; j < k; ++j) lines += j == 0 || idx[j] / 16 != idx[j - 1] / 16;
+    state.counters["line_floor_ratio"] = memcpy_seconds(d, wire_bytes + 2 * 64 * lines) / per_iter;
+  }
   state.counters["floor_bytes"] = static_cast<double>(bytes);
   state.counters["threads"] = gradzip::num_threads();
   state.SetLabel(gradzip::cpu_isa());

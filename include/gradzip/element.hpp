@@ -49,48 +49,48 @@ GZ_HD uint32_t abs_bits(float x) { return float_bits(x) & kAbsMask; }
 GZ_HD bool is_finite(float x) { return abs_bits(x) < kInfBits; }
 
 // ---- bf16: round to nearest even, NaN quieted (x86's VCVTNEPS2BF16 flushes denormals: not used)
+// The NaN test is a float compare: as an integer compare on the bits, GCC narrows both arms to
+// 16 bits before selecting and the vectorised loop runs at half the speed.
 GZ_HD uint16_t float_to_bf16(float x) {
   const uint32_t u = float_bits(x);
-  if ((u & kAbsMask) > kInfBits) return static_cast<uint16_t>((u >> 16) | 0x0040u);
-  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>(x != x ? ((u >> 16) | 0x0040u) : rounded);
 }
 GZ_HD float bf16_to_float(uint16_t h) { return bits_float(static_cast<uint32_t>(h) << 16); }
 
 // ---- fp16 (IEEE binary16): round to nearest even, overflow to Inf, NaN -> sign | 0x7E00 --------
-// Branch-free (selects only) so that compilers vectorise it.
+// The rounding is one float addition (the method of Marat Dukhan's FP16 library): |x| * 4 plus a
+// power of two whose ulp is the half's ulp at |x|'s exponent (never finer than the subnormal
+// ulp 2^-24) rounds in hardware, and the sum's exponent and top mantissa bits, added, are the
+// half's bits (a rounding carry moves into the exponent by itself). Scaling by 2^112 first turns
+// every |x| >= 2^16 into Inf. Exact for every input under round-to-nearest without flush-to-zero
+// (the CPU entry points make sure of both, CUDA's default); as fast as integer-only rounding is
+// not (variable shifts for the subnormals), and GCC vectorises it. Tested against F16C on all
+// 2^32 inputs.
 GZ_HD uint16_t float_to_fp16(float x) {
   const uint32_t u = float_bits(x);
-  const uint32_t sign = (u >> 16) & 0x8000u;
-  const uint32_t a = u & kAbsMask;
-  // normal half (|x| >= 2^-14): rebias the exponent 127 -> 15, round the 13 dropped bits RNE
-  const uint32_t r = a - 0x38000000u;
-  const uint32_t normal = (r + 0x0FFFu + ((r >> 13) & 1u)) >> 13;
-  // subnormal half (|x| < 2^-14): x = m * 2^(e-150), in units of 2^-24 that is m >> (126 - e),
-  // rounded to nearest even (a carry into 1024 is the smallest normal's bit pattern). The shift
-  // is clamped to [1, 25]: at 25 every float below 2^-25 rounds to 0; normals are selected away.
-  // Integer-only on purpose: mixing float arithmetic on the same value defeats GCC's vectoriser.
-  const uint32_t e = a >> 23;
-  uint32_t shift = e < 126u ? 126u - e : 1u;
-  shift = shift > 25u ? 25u : shift;
-  const uint32_t m = (a & 0x007FFFFFu) | 0x00800000u;
-  const uint32_t subnormal = (m + ((1u << (shift - 1u)) - 1u) + ((m >> shift) & 1u)) >> shift;
-  uint32_t h = a >= 0x38800000u ? normal : subnormal;
-  h = a >= 0x477FF000u ? 0x7C00u : h;  // >= 65520 rounds to Inf
-  h = a > kInfBits ? 0x7E00u : h;      // NaN
-  return static_cast<uint16_t>(sign | h);
+  const float scaled = (bits_float(u & kAbsMask) * 0x1.0p+112f) * 0x1.0p-110f;
+  const uint32_t exp2 = u + u;  // exponent in the top 8 bits, sign dropped
+  uint32_t bias = exp2 & 0xFF000000u;
+  bias = bias < 0x71000000u ? 0x71000000u : bias;  // half's smallest normal exponent
+  const uint32_t sum = float_bits(bits_float((bias >> 1) + 0x07800000u) + scaled);
+  const uint32_t h = ((sum >> 13) & 0x7C00u) + (sum & 0x0FFFu);
+  return static_cast<uint16_t>(((u >> 16) & 0x8000u) | (x != x ? 0x7E00u : h));
 }
 
-GZ_HD float fp16_to_float(uint16_t h) {  // branch-free, as float_to_fp16
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  const uint32_t e = (h >> 10) & 0x1Fu;
-  const uint32_t m = h & 0x03FFu;
-  const uint32_t inf_nan = kInfBits | (m << 13);
-  const uint32_t normal = ((e + 112u) << 23) | (m << 13);
-  // zero or subnormal: m * 2^-24 is exact in float
-  const uint32_t subnormal =
-      float_bits(static_cast<float>(static_cast<int32_t>(m)) * 5.9604644775390625e-08f);
-  const uint32_t a = e == 0x1Fu ? inf_nan : (e != 0u ? normal : subnormal);
-  return bits_float(sign | a);
+// Normal halves: the bits shifted into a float's place (exponent rebias by one multiply by
+// 2^-112, exact); subnormals: 0.5 + m * 2^-24 built from bits, minus 0.5 (exact); Inf and NaN:
+// the payload kept, by a select (a multiply would quiet a signalling NaN). Exact on all 65536
+// inputs (tested), and about a third faster vectorised than integer selects on the exponent.
+GZ_HD float fp16_to_float(uint16_t h) {
+  const uint32_t w = static_cast<uint32_t>(h) << 16;
+  const uint32_t two_w = w + w;  // exponent and mantissa at the top, sign dropped
+  const float normal = bits_float((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+  const float subnormal = bits_float((two_w >> 17) | (126u << 23)) - 0.5f;
+  const uint32_t inf_nan = kInfBits | ((two_w >> 4) & 0x007FFFFFu);
+  uint32_t a = two_w < (1u << 27) ? float_bits(subnormal) : float_bits(normal);
+  a = two_w >= 0xF8000000u ? inf_nan : a;
+  return bits_float((w & 0x80000000u) | a);
 }
 
 // ---- blockwise int8 (absmax) ------------------------------------------------------------------

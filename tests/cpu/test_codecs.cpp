@@ -9,6 +9,7 @@
 #include <tuple>
 
 #include "detail.hpp"  // force_isa
+#include "topk.hpp"    // topk_radix_runs
 #include "test_util.hpp"
 
 using gradzip::Codec;
@@ -186,6 +187,63 @@ TEST_P(TopkTies, ExactSetLowestIndexFirst) {
     std::sort(order.begin(), order.end());
     ASSERT_EQ(idx, order) << "n=" << n;
     check_against_reference(codec, g, decode(wire, n));
+  }
+}
+
+// Inputs shaped to defeat the sampled selection (too few candidates above its bound: sparse; a
+// chunk with more candidates than its workspace share: packed), next to ones it handles: every
+// result exact, and both paths taken.
+TEST(TopkShapes, ExactOnBothPaths) {
+  const size_t n = (size_t{1} << 20) + 13;
+  struct Shape {
+    const char* name;
+    const char* spec;
+    std::vector<float> grad;
+    int radix;  // 1: must take the full radix select, 0: the sampled path, -1: either
+    float residual = 1e-4f;  // scale of the random residual
+  };
+  std::vector<Shape> shapes;
+  {
+    auto g = random_grad(n, 3, 1e-3f);  // large values on a regular grid only
+    for (size_t i = 0; i < n; i += 256) g[i] = 1.0f + float(i % 977);
+    shapes.push_back({"grid", "topk:0.01", g, -1});
+  }
+  {
+    auto g = random_grad(n, 4, 1e-3f);  // large values packed into the first chunk
+    for (size_t i = 0; i < 40000; ++i) g[i] = 1.0f + float(i % 389);
+    shapes.push_back({"packed", "topk:0.05", g, 1});
+  }
+  {
+    std::vector<float> g(n, 0.0f);  // sparse: fewer non-zeros than k, ties among the zeros
+    for (size_t i = 5; i < n; i += 211) g[i] = float(i % 7) - 3.0f;
+    shapes.push_back({"sparse", "topk:0.01:values=fp16", g, 1, 0.0f});
+  }
+  {
+    auto g = random_grad(n, 5);  // plain random: the sampled path
+    for (size_t i = 0; i < n; i += 3) g[i] = 0.0f;
+    shapes.push_back({"random", "topk:0.02", g, 0});
+  }
+  for (const Shape& s : shapes) {
+    SCOPED_TRACE(s.name);
+    const Codec codec = Codec::parse(s.spec);
+    const auto r0 = random_grad(n, 11, s.residual);
+    const auto c = codec_input(s.grad, &r0, 0.5f);
+    const uint64_t before = gradzip::detail::topk_radix_runs();
+    const Encoded e = encode_ef(codec, s.grad, r0, 0.5f);
+    if (s.radix >= 0) {
+      EXPECT_EQ(gradzip::detail::topk_radix_runs() - before, uint64_t(s.radix));
+    }
+    std::vector<uint32_t> order(n);  // reference: largest |c| first, lowest index on ties
+    std::iota(order.begin(), order.end(), 0u);
+    std::stable_sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) {
+      return std::fabs(double(c[a])) > std::fabs(double(c[b]));
+    });
+    order.resize(codec.topk_k(n));
+    std::sort(order.begin(), order.end());
+    ASSERT_EQ(topk_indices(e.wire), order);
+    const auto dec = decode(e.wire, n);
+    check_against_reference(codec, c, dec);
+    for (size_t i = 0; i < n; ++i) ASSERT_TRUE(same_bits(e.residual[i], c[i] - dec[i])) << i;
   }
 }
 

@@ -1,7 +1,7 @@
 // The bytes do not depend on the calling thread's floating-point mode: with flush-to-zero and
-// denormals-are-zero set (as torch.set_flush_denormal(True) does), on the caller and on OpenMP's
-// worker threads, every codec encodes, feeds back and decodes exactly as in IEEE mode, and the
-// caller gets its own mode back.
+// denormals-are-zero set (as torch.set_flush_denormal(True) does), or another rounding direction
+// (fesetround), on the caller and on OpenMP's worker threads, every codec encodes, feeds back and
+// decodes exactly as in IEEE mode, and the caller gets its own mode back.
 #include <gtest/gtest.h>
 #include <immintrin.h>
 #include <omp.h>
@@ -17,6 +17,8 @@
 namespace {
 
 constexpr unsigned kNonIeee = (1u << 15) | (1u << 6);  // MXCSR's FTZ and DAZ
+constexpr unsigned kRoundBits = 3u << 13;               // MXCSR's rounding control
+constexpr unsigned kRoundUp = 2u << 13, kRoundToZero = 3u << 13;
 
 // Sets the mode on this thread and on every OpenMP worker (they keep their own MXCSR).
 void set_mode_everywhere(unsigned csr_bits, bool on) {
@@ -57,7 +59,7 @@ std::vector<float> tiny_grad(size_t n) {
 class FloatMode : public ::testing::TestWithParam<std::string> {
   void SetUp() override { gradzip::set_num_threads(2); }
   void TearDown() override {
-    set_mode_everywhere(kNonIeee, false);
+    set_mode_everywhere(kNonIeee | kRoundBits, false);
     gradzip::set_num_threads(0);
   }
 };
@@ -83,6 +85,27 @@ TEST_P(FloatMode, FlushToZeroOnCallerAndWorkersGivesTheSameBytes) {
   for (const auto* v : {&ieee.residual, &ieee.decoded})
     for (float x : *v) subnormal |= x != 0.0f && std::abs(x) < FLT_MIN;
   EXPECT_TRUE(subnormal);
+}
+
+TEST_P(FloatMode, OtherRoundingDirectionsGiveTheSameBytes) {
+  set_mode_everywhere(kNonIeee | kRoundBits, false);
+  std::vector<float> grad = gztest::random_grad(200003, 9);
+  for (size_t i = 0; i < grad.size(); i += 7) grad[i] *= 1e-6f;  // fp16 subnormals too
+  std::vector<float> residual(grad.size());
+  for (size_t i = 0; i < grad.size(); ++i) residual[i] = grad[(i * 31) % grad.size()] * 0.125f;
+  const Result nearest = run(GetParam(), grad, residual);
+  for (unsigned mode : {kRoundUp, kRoundToZero}) {
+    SCOPED_TRACE(mode);
+    set_mode_everywhere(mode, true);
+    const Result other = run(GetParam(), grad, residual);
+    EXPECT_EQ(_mm_getcsr() & kRoundBits, mode) << "the caller's mode was not restored";
+    set_mode_everywhere(kRoundBits, false);
+    EXPECT_EQ(std::memcmp(nearest.wire.data(), other.wire.data(), nearest.wire.size()), 0) << "wire";
+    EXPECT_EQ(std::memcmp(nearest.residual.data(), other.residual.data(), 4 * grad.size()), 0)
+        << "residual";
+    EXPECT_EQ(std::memcmp(nearest.decoded.data(), other.decoded.data(), 4 * grad.size()), 0)
+        << "decoded";
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Codecs, FloatMode,

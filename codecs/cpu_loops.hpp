@@ -35,45 +35,20 @@ inline void with_ef(const EncodeArgs& a, F&& f) {
 inline size_t min_sz(size_t a, size_t b) { return a < b ? a : b; }
 inline float abs_f(float x) { return el::bits_float(el::abs_bits(x)); }
 
-// ---- casts ----------------------------------------------------------------------------------
-template <bool EF>
-void fp32_encode_loop(const float* __restrict g, float* __restrict r, float p, size_t n,
-                      float* __restrict out) {
+// ---- casts (P: element.hpp's Fp32Cast / Fp16Cast / Bf16Cast) ---------------------------------
+template <class P, bool EF>
+void cast_encode_loop(const float* __restrict g, float* __restrict r, float p, size_t n,
+                      typename P::Wire* __restrict out) {
   for (size_t i = 0; i < n; ++i) {
     const float c = cin<EF>(g, r, p, i);
-    out[i] = c;
-    if constexpr (EF) r[i] = el::ef_residual(c, c, r[i]);
+    const typename P::Wire w = P::encode(c);
+    out[i] = w;
+    if constexpr (EF) r[i] = el::ef_residual(c, P::decode(w), r[i]);
   }
 }
-template <bool EF>
-void fp16_encode_loop(const float* __restrict g, float* __restrict r, float p, size_t n,
-                      uint16_t* __restrict out) {
-  for (size_t i = 0; i < n; ++i) {
-    const float c = cin<EF>(g, r, p, i);
-    const uint16_t h = el::float_to_fp16(c);
-    out[i] = h;
-    if constexpr (EF) r[i] = el::ef_residual(c, el::fp16_to_float(h), r[i]);
-  }
-}
-template <bool EF>
-void bf16_encode_loop(const float* __restrict g, float* __restrict r, float p, size_t n,
-                      uint16_t* __restrict out) {
-  for (size_t i = 0; i < n; ++i) {
-    const float c = cin<EF>(g, r, p, i);
-    const uint16_t h = el::float_to_bf16(c);
-    out[i] = h;
-    if constexpr (EF) r[i] = el::ef_residual(c, el::bf16_to_float(h), r[i]);
-  }
-}
-
-void encode_fp32(EncodeArgs a, size_t n, float* out) {
-  with_ef(a, [&](auto ef) { fp32_encode_loop<ef.value>(a.grad, a.residual, a.prescale, n, out); });
-}
-void encode_fp16(EncodeArgs a, size_t n, uint16_t* out) {
-  with_ef(a, [&](auto ef) { fp16_encode_loop<ef.value>(a.grad, a.residual, a.prescale, n, out); });
-}
-void encode_bf16(EncodeArgs a, size_t n, uint16_t* out) {
-  with_ef(a, [&](auto ef) { bf16_encode_loop<ef.value>(a.grad, a.residual, a.prescale, n, out); });
+template <class P>
+void encode_cast(EncodeArgs a, size_t n, typename P::Wire* out) {
+  with_ef(a, [&](auto ef) { cast_encode_loop<P, ef.value>(a.grad, a.residual, a.prescale, n, out); });
 }
 
 // ---- int8: per block, max pass then quantise + residual pass (the block stays in L1) ----------
@@ -153,17 +128,9 @@ inline void store(float* __restrict out, size_t i, float v) {
   else out[i] = v;
 }
 
-template <bool ADD>
-void fp32_decode_loop(const float* __restrict in, size_t n, float* __restrict out) {
-  for (size_t i = 0; i < n; ++i) store<ADD>(out, i, in[i]);
-}
-template <bool ADD>
-void fp16_decode_loop(const uint16_t* __restrict in, size_t n, float* __restrict out) {
-  for (size_t i = 0; i < n; ++i) store<ADD>(out, i, el::fp16_to_float(in[i]));
-}
-template <bool ADD>
-void bf16_decode_loop(const uint16_t* __restrict in, size_t n, float* __restrict out) {
-  for (size_t i = 0; i < n; ++i) store<ADD>(out, i, el::bf16_to_float(in[i]));
+template <class P, bool ADD>
+void cast_decode_loop(const typename P::Wire* __restrict in, size_t n, float* __restrict out) {
+  for (size_t i = 0; i < n; ++i) store<ADD>(out, i, P::decode(in[i]));
 }
 template <bool ADD>
 void int8_decode_loop(const float* __restrict scales, const int8_t* __restrict q, size_t n,
@@ -200,14 +167,10 @@ void sign_decode_loop(const float* __restrict scales, const uint32_t* __restrict
     else fn<false>(__VA_ARGS__);    \
   } while (0)
 
-void decode_fp32(const float* in, size_t n, float* out, bool add) {
-  GZ_ADD_DISPATCH(fp32_decode_loop, in, n, out);
-}
-void decode_fp16(const uint16_t* in, size_t n, float* out, bool add) {
-  GZ_ADD_DISPATCH(fp16_decode_loop, in, n, out);
-}
-void decode_bf16(const uint16_t* in, size_t n, float* out, bool add) {
-  GZ_ADD_DISPATCH(bf16_decode_loop, in, n, out);
+template <class P>
+void decode_cast(const typename P::Wire* in, size_t n, float* out, bool add) {
+  if (add) cast_decode_loop<P, true>(in, n, out);
+  else cast_decode_loop<P, false>(in, n, out);
 }
 void decode_int8(const float* scales, const int8_t* q, size_t n, uint32_t block, float* out,
                  bool add) {
@@ -414,9 +377,22 @@ void topk_residual(EncodeArgs a, size_t n, uint32_t base, const uint32_t* __rest
 }
 
 constexpr CpuLoops kTable{
-    GZ_ISA_NAME, encode_fp32, encode_fp16, encode_bf16, encode_int8, encode_sign,  decode_fp32,
-    decode_fp16, decode_bf16, decode_int8, decode_sign, topk_hist0,  topk_collect, topk_emit,
-    topk_gather, topk_residual,
+    GZ_ISA_NAME,
+    encode_cast<el::Fp32Cast>,
+    encode_cast<el::Fp16Cast>,
+    encode_cast<el::Bf16Cast>,
+    encode_int8,
+    encode_sign,
+    decode_cast<el::Fp32Cast>,
+    decode_cast<el::Fp16Cast>,
+    decode_cast<el::Bf16Cast>,
+    decode_int8,
+    decode_sign,
+    topk_hist0,
+    topk_collect,
+    topk_emit,
+    topk_gather,
+    topk_residual,
 };
 
 }  // namespace

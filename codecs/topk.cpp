@@ -90,6 +90,24 @@ struct Plan {
   }
 };
 
+// A histogram over every chunk: count(c, local) adds chunk c's counts to its thread's local
+// histogram; the locals are merged (integer sums, so the order does not matter).
+template <class F>
+Hist chunk_histogram(const Plan& p, int threads, F&& count) {
+  Hist hist{};
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    const IeeeFloatMode ieee;
+    alignas(64) uint32_t local[el::kTopkRadix] = {};
+#pragma omp for schedule(static)
+    for (long long c = 0; c < static_cast<long long>(p.nch); ++c)
+      count(static_cast<size_t>(c), local);
+#pragma omp critical(gradzip_topk_hist)
+    for (int d = 0; d < el::kTopkRadix; ++d) hist[d] += local[d];
+  }
+  return hist;
+}
+
 // ---- sampled path -----------------------------------------------------------------------------
 constexpr size_t kSampleSize = 4096;  // on the stack: nothing allocates on the hot path
 
@@ -138,22 +156,14 @@ bool sampled_topk(Plan& p) {
   for (int level = 0; level < 3; ++level) {
     const int shift = el::kTopkDigitShift[level];
     const uint32_t mask = el::kTopkDigitMask[level];
-    Hist hist{};
-#pragma omp parallel num_threads(threads) if (threads > 1)
-    {
-      alignas(64) uint32_t local[el::kTopkRadix] = {};
-#pragma omp for schedule(static)
-      for (long long c = 0; c < static_cast<long long>(p.nch); ++c) {
-        const Chunk& ch = p.chunks[c];
-        const uint32_t* bits = pair_bits(p, ch);
-        for (size_t j = 0; j < ch.pairs; ++j) {
-          const uint32_t key = bits[j] & el::kAbsMask;
-          if ((key & prefix_mask) == prefix) ++local[(key >> shift) & mask];
-        }
+    const Hist hist = chunk_histogram(p, threads, [&](size_t c, uint32_t* local) {
+      const Chunk& ch = p.chunks[c];
+      const uint32_t* bits = pair_bits(p, ch);
+      for (size_t j = 0; j < ch.pairs; ++j) {
+        const uint32_t key = bits[j] & el::kAbsMask;
+        if ((key & prefix_mask) == prefix) ++local[(key >> shift) & mask];
       }
-#pragma omp critical(gradzip_topk_hist)
-      for (uint32_t d = 0; d <= mask; ++d) hist[d] += local[d];
-    }
+    });
     prefix |= select_digit(hist, mask + 1, rank) << shift;
     prefix_mask |= mask << shift;
   }
@@ -207,20 +217,12 @@ std::atomic<uint64_t> radix_runs{0};
 
 void radix_topk(Plan& p) {
   radix_runs.fetch_add(1, std::memory_order_relaxed);
-  // 1. first-digit histogram (per-thread counts merged: integer sums, order-independent)
-  Hist hist{};
-#pragma omp parallel num_threads(p.threads) if (p.threads > 1)
-  {
-    const IeeeFloatMode ieee;
-    alignas(64) uint32_t local[el::kTopkRadix] = {};
-#pragma omp for schedule(static)
-    for (long long c = 0; c < static_cast<long long>(p.nch); ++c)
-      p.loops.topk_hist0(p.args_at(p.chunks[c].begin), p.chunks[c].len, local);
-#pragma omp critical(gradzip_topk_hist)
-    for (int d = 0; d < el::kTopkRadix; ++d) hist[d] += local[d];
-  }
+  // 1. first-digit histogram
+  const Hist hist0 = chunk_histogram(p, p.threads, [&](size_t c, uint32_t* local) {
+    p.loops.topk_hist0(p.args_at(p.chunks[c].begin), p.chunks[c].len, local);
+  });
   uint64_t rank = p.k;
-  const uint32_t d0 = select_digit(hist, el::kTopkDigitMask[0] + 1, rank);
+  const uint32_t d0 = select_digit(hist0, el::kTopkDigitMask[0] + 1, rank);
 
   // 2. candidates of the threshold bucket
   parallel_items(p.nch, p.threads, [&](size_t c) {
@@ -238,19 +240,10 @@ void radix_topk(Plan& p) {
     const int shift = el::kTopkDigitShift[level];
     const uint32_t mask = el::kTopkDigitMask[level];
     auto digit = [&](uint32_t i) { return (el::topk_key(encode_input(p.a, i)) >> shift) & mask; };
-    hist.fill(0);
-#pragma omp parallel num_threads(cand_threads) if (cand_threads > 1)
-    {
-      const IeeeFloatMode ieee;
-      alignas(64) uint32_t local[el::kTopkRadix] = {};
-#pragma omp for schedule(static)
-      for (long long c = 0; c < static_cast<long long>(p.nch); ++c) {
-        const uint32_t* cc = p.cand + p.chunks[c].begin;
-        for (size_t j = 0; j < p.chunks[c].candidates; ++j) ++local[digit(cc[j])];
-      }
-#pragma omp critical(gradzip_topk_hist)
-      for (uint32_t d = 0; d <= mask; ++d) hist[d] += local[d];
-    }
+    const Hist hist = chunk_histogram(p, cand_threads, [&](size_t c, uint32_t* local) {
+      const uint32_t* cc = p.cand + p.chunks[c].begin;
+      for (size_t j = 0; j < p.chunks[c].candidates; ++j) ++local[digit(cc[j])];
+    });
     const uint32_t dl = select_digit(hist, mask + 1, rank);
     threshold |= dl << shift;
     parallel_items(p.nch, cand_threads, [&](size_t c) {

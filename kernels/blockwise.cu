@@ -200,23 +200,17 @@ Blockwise geometry(size_t n, uint32_t block, uint64_t section1) {
 void launch_int8_encode(const EncodeLaunch& a, uint32_t block, uint64_t section1) {
   const Source src{a.grad, a.residual, a.prescale};
   const Blockwise b = geometry(a.n, block, section1);
-  if (a.vec)
-    int8_encode_kernel<true><<<b.grid, kThreads, 0, a.stream>>>(src, a.n, block, section1, a.out,
-                                                                a.header, b.pad_begin, b.pad_end);
-  else
-    int8_encode_kernel<false><<<b.grid, kThreads, 0, a.stream>>>(src, a.n, block, section1, a.out,
-                                                                 a.header, b.pad_begin, b.pad_end);
+  auto* kernel = a.vec ? int8_encode_kernel<true> : int8_encode_kernel<false>;
+  kernel<<<b.grid, kThreads, 0, a.stream>>>(src, a.n, block, section1, a.out, a.header, b.pad_begin,
+                                            b.pad_end);
 }
 
 void launch_sign_encode(const EncodeLaunch& a, uint32_t block, uint64_t section1) {
   const Source src{a.grad, a.residual, a.prescale};
   const Blockwise b = geometry(a.n, block, section1);
-  if (a.residual)
-    sign_encode_kernel<true><<<b.grid, kThreads, 0, a.stream>>>(src, a.n, block, section1, a.out,
-                                                                a.header, b.pad_begin, b.pad_end);
-  else
-    sign_encode_kernel<false><<<b.grid, kThreads, 0, a.stream>>>(src, a.n, block, section1, a.out,
-                                                                 a.header, b.pad_begin, b.pad_end);
+  auto* kernel = a.residual ? sign_encode_kernel<true> : sign_encode_kernel<false>;
+  kernel<<<b.grid, kThreads, 0, a.stream>>>(src, a.n, block, section1, a.out, a.header, b.pad_begin,
+                                            b.pad_end);
 }
 
 }  // namespace gradzip::kernels

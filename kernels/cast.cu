@@ -5,22 +5,6 @@
 namespace gradzip::kernels {
 namespace {
 
-struct F32 {
-  using T = float;
-  __device__ static T enc(float c) { return c; }
-  __device__ static float dec(T v) { return v; }
-};
-struct F16 {
-  using T = uint16_t;
-  __device__ static T enc(float c) { return el::float_to_fp16(c); }
-  __device__ static float dec(T v) { return el::fp16_to_float(v); }
-};
-struct BF16 {
-  using T = uint16_t;
-  __device__ static T enc(float c) { return el::float_to_bf16(c); }
-  __device__ static float dec(T v) { return el::bf16_to_float(v); }
-};
-
 constexpr int kV = 4;  // elements per thread
 
 template <class P, bool Vec>
@@ -31,16 +15,16 @@ __global__ void __launch_bounds__(kThreads) cast_encode_kernel(Source src, size_
   if (i >= n) return;
   const int valid = n - i < kV ? static_cast<int>(n - i) : kV;
   float c[kV], r[kV], nr[kV];
-  typename P::T p[kV];
+  typename P::Wire p[kV];
   src.load<kV, Vec>(i, valid, c, r);
 #pragma unroll
   for (int j = 0; j < kV; ++j) {
-    p[j] = P::enc(c[j]);
-    nr[j] = el::ef_residual(c[j], P::dec(p[j]), r[j]);
+    p[j] = P::encode(c[j]);
+    nr[j] = el::ef_residual(c[j], P::decode(p[j]), r[j]);
   }
-  typename P::T* payload = reinterpret_cast<typename P::T*>(out + kHeaderBytes);
+  typename P::Wire* payload = reinterpret_cast<typename P::Wire*>(out + kHeaderBytes);
   if (Vec && valid == kV) {
-    if constexpr (sizeof(typename P::T) == 4) {
+    if constexpr (sizeof(typename P::Wire) == 4) {
       *reinterpret_cast<float4*>(payload + i) = make_float4(p[0], p[1], p[2], p[3]);
     } else {
       *reinterpret_cast<uint2*>(payload + i) =
@@ -58,19 +42,17 @@ template <class P>
 void launch(const EncodeLaunch& a) {
   const Source src{a.grad, a.residual, a.prescale};
   const unsigned grid = grid_for(a.n, uint64_t{kThreads} * kV);
-  if (a.vec)
-    cast_encode_kernel<P, true><<<grid, kThreads, 0, a.stream>>>(src, a.n, a.out, a.header);
-  else
-    cast_encode_kernel<P, false><<<grid, kThreads, 0, a.stream>>>(src, a.n, a.out, a.header);
+  auto* kernel = a.vec ? cast_encode_kernel<P, true> : cast_encode_kernel<P, false>;
+  kernel<<<grid, kThreads, 0, a.stream>>>(src, a.n, a.out, a.header);
 }
 
 }  // namespace
 
 void launch_cast_encode(CodecKind kind, const EncodeLaunch& a) {
   switch (kind) {
-    case CodecKind::fp32: launch<F32>(a); break;
-    case CodecKind::fp16: launch<F16>(a); break;
-    default: launch<BF16>(a); break;
+    case CodecKind::fp32: launch<el::Fp32Cast>(a); break;
+    case CodecKind::fp16: launch<el::Fp16Cast>(a); break;
+    default: launch<el::Bf16Cast>(a); break;
   }
 }
 

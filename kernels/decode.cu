@@ -142,13 +142,10 @@ void launch_decode(const DecodeLaunch& a) {
   const bool vec_out = reinterpret_cast<uintptr_t>(a.out) % 16 == 0;
   validate_header_kernel<<<1, 1, 0, a.stream>>>(a.wire, a.bytes, a.n, a.status);
   validate_indices_kernel<<<k_grid, kThreads, 0, a.stream>>>(a.wire, a.status);
-  if (a.add) {
-    decode_kernel<true><<<grid, kThreads, 0, a.stream>>>(a.wire, a.out, a.n, a.status, vec_out);
-    topk_scatter_kernel<true><<<k_grid, kThreads, 0, a.stream>>>(a.wire, a.out, a.status);
-  } else {
-    decode_kernel<false><<<grid, kThreads, 0, a.stream>>>(a.wire, a.out, a.n, a.status, vec_out);
-    topk_scatter_kernel<false><<<k_grid, kThreads, 0, a.stream>>>(a.wire, a.out, a.status);
-  }
+  auto* decode = a.add ? decode_kernel<true> : decode_kernel<false>;
+  auto* scatter = a.add ? topk_scatter_kernel<true> : topk_scatter_kernel<false>;
+  decode<<<grid, kThreads, 0, a.stream>>>(a.wire, a.out, a.n, a.status, vec_out);
+  scatter<<<k_grid, kThreads, 0, a.stream>>>(a.wire, a.out, a.status);
 }
 
 }  // namespace gradzip::kernels

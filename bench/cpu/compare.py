@@ -12,19 +12,16 @@ Build the "before" binary from another commit in a worktree, e.g.
 Plain python3, no dependencies.
 """
 import argparse
-import json
 import statistics
-import subprocess
 import sys
 from collections import defaultdict
 
+from report import medians, run  # the same invocation and JSON reading as report.py
 
-def run(binary, filt, min_time):
-    cmd = [binary, "--benchmark_format=json", f"--benchmark_filter={filt}",
-           f"--benchmark_min_time={min_time}"]
-    out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                         text=True).stdout
-    return {b["name"].replace("/real_time", ""): b["real_time"] for b in json.loads(out)["benchmarks"]}
+
+def times(binary, filt, min_time):
+    """name -> real time (ms) of one run of every benchmark the filter selects."""
+    return {name: b["real_time"] for name, b in medians(run(binary, 1, filt, min_time)).items()}
 
 
 def main():
@@ -35,15 +32,15 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--min-time", default="0.1")
     args = ap.parse_args()
-    times = defaultdict(lambda: defaultdict(list))
+    measured = defaultdict(lambda: defaultdict(list))
     for r in range(args.rounds):
         for label, binary in (("before", args.before), ("after", args.after)):
             print(f"round {r + 1}/{args.rounds}: {label}", file=sys.stderr)
-            for name, t in run(binary, args.filter, args.min_time).items():
-                times[name][label].append(t)
+            for name, t in times(binary, args.filter, args.min_time).items():
+                measured[name][label].append(t)
     print("| benchmark | before ms | after ms | speed-up |")
     print("|---|---:|---:|---:|")
-    for name, d in times.items():
+    for name, d in measured.items():
         if not d["before"] or not d["after"]:
             continue
         before, after = statistics.median(d["before"]), statistics.median(d["after"])

@@ -93,6 +93,24 @@ GZ_HD float fp16_to_float(uint16_t h) {
   return bits_float((w & 0x80000000u) | a);
 }
 
+// ---- the three casts as one shape: a wire type, its rounding and its widening ----------------
+// (the CPU loops and the CUDA kernel of fp32 / fp16 / bf16 are each one template over these)
+struct Fp32Cast {
+  using Wire = float;
+  static GZ_HD Wire encode(float c) { return c; }
+  static GZ_HD float decode(Wire v) { return v; }
+};
+struct Fp16Cast {
+  using Wire = uint16_t;
+  static GZ_HD Wire encode(float c) { return float_to_fp16(c); }
+  static GZ_HD float decode(Wire v) { return fp16_to_float(v); }
+};
+struct Bf16Cast {
+  using Wire = uint16_t;
+  static GZ_HD Wire encode(float c) { return float_to_bf16(c); }
+  static GZ_HD float decode(Wire v) { return bf16_to_float(v); }
+};
+
 // ---- blockwise int8 (absmax) ------------------------------------------------------------------
 // scale = absmax / 127, q = clamp(rint(x * (127 / absmax)), -127, 127), decode = q * scale.
 // absmax is the integer max of abs_bits over the block, so a NaN in the block makes the scale NaN

@@ -106,7 +106,52 @@ def _saved(st) -> list:
     return [] if st is None else [t for t in st.tensors() if t is not None]
 
 
-class CompressionState:
+class _ReducerState:
+    """What the DDP hook's and FSDP's states share: the settings, the step count, the traffic
+    counters, the C++ reduction (built at the first call), the non-finite guard, settling a
+    finished step, and pickling without the C++ objects."""
+
+    def __init__(self, config: _Config):
+        self.config = config
+        self.step = 0
+        self._stats = TrafficStats()
+        self._runtime = None  # torch.classes.gradzip.CompressedAllreduce, built at the first call
+        self._guard = config.new_guard()
+        self._guard_step = 0  # the step whose residual updates the guard holds
+
+    @property
+    def codec(self) -> str:
+        return self.config.codec
+
+    @property
+    def stats(self) -> dict:
+        return dict(self._stats.last)
+
+    def _commit(self) -> None:
+        """Settles the finished step (all of its reductions are complete: DDP waited for their
+        futures before the next forward, FSDP's reduce-scatter is synchronous): restores the
+        residuals if a reduced piece was not finite, and raises a decode error the device has
+        reported."""
+        if self._guard is not None:
+            self._guard.commit()
+        self._guard_step = self.step
+        if self._runtime is not None:
+            self._runtime.check_errors()
+
+    def __getstate__(self):
+        self._commit()
+        d = dict(self.__dict__)
+        d["_runtime"] = None
+        d["_guard"] = None  # C++ objects; the guard holds nothing between steps after a commit
+        return d
+
+    def __setstate__(self, d):
+        self.__dict__.update(d)
+        self._guard = self.config.new_guard()
+        self._guard_step = self.step
+
+
+class CompressionState(_ReducerState):
     """State of :func:`compress_hook`, one per DDP model (like PowerSGDState).
 
     Args:
@@ -152,29 +197,16 @@ class CompressionState:
     def __init__(self, codec: str, process_group=None, error_feedback: bool = True,
                  warmup_steps: int = 0, min_compress_numel: int = 4096,
                  guard_nonfinite: bool = True, optimizer=None):
-        self.config = _Config(codec, error_feedback, warmup_steps, min_compress_numel, guard_nonfinite,
-                              optimizer)
+        super().__init__(_Config(codec, error_feedback, warmup_steps, min_compress_numel,
+                                 guard_nonfinite, optimizer))
         self.process_group = process_group
-        self.step = 0
         self._ef = StateStore()
-        self._stats = TrafficStats()
-        self._runtime = None  # torch.classes.gradzip.CompressedAllreduce, built at the first call
-        self._guard = self.config.new_guard()
-        self._guard_step = 0  # the step whose residual updates the guard holds
         self._keys = _ParameterKeys()
         self._resumed_step = None  # the step a checkpoint was loaded at (see _reduce_as_saved)
         if optimizer is not None:
             optimizer.attached = True
 
     # -- public ---------------------------------------------------------------------------------
-    @property
-    def codec(self) -> str:
-        return self.config.codec
-
-    @property
-    def stats(self) -> dict:
-        return dict(self._stats.last)
-
     def state_dict(self) -> dict:
         self._commit()
         return {"version": _STATE_VERSION, "codec": self.config.codec, "step": self.step,
@@ -194,30 +226,15 @@ class CompressionState:
 
     # -- pickling without the process group (as PowerSGDState) ----------------------------------
     def __getstate__(self):
-        self._commit()
-        d = dict(self.__dict__)
+        d = super().__getstate__()
         d["process_group"] = None
-        d["_runtime"] = None
-        d["_guard"] = None  # C++ objects; the guard holds nothing between steps after a commit
         return d
 
     def __setstate__(self, d):
-        self.__dict__.update(d)
-        self._guard = self.config.new_guard()
-        self._guard_step = self.step
+        super().__setstate__(d)
         logger.info("gradzip: CompressionState unpickled; process_group set to the default group")
 
     # -- internals --------------------------------------------------------------------------------
-    def _commit(self) -> None:
-        """Settles the finished step (all its buckets are reduced: DDP waited for their futures
-        before the next forward): restores the state if a bucket was not finite, and raises a decode
-        error the device has reported."""
-        if self._guard is not None:
-            self._guard.commit()
-        self._guard_step = self.step
-        if self._runtime is not None:
-            self._runtime.check_errors()
-
     def _group(self):
         return self.process_group if self.process_group is not None else dist.group.WORLD
 

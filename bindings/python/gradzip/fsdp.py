@@ -36,8 +36,8 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from . import _ops  # noqa: F401  (loads the extension that defines torch.classes.gradzip)
 from ._groups import reducing_group, require_same_config
-from .collective import TrafficStats, _tuplify
-from .ddp import _Config
+from .collective import _tuplify
+from .ddp import _Config, _ReducerState
 
 __all__ = ["compress", "FSDPCompressionState", "CompressedReduceScatter"]
 
@@ -123,7 +123,7 @@ class CompressedReduceScatter(ReduceScatter):
                                            async_op, self._param_group.gradient_divide_factor)
 
 
-class FSDPCompressionState:
+class FSDPCompressionState(_ReducerState):
     """State of the compressed reduce-scatter of every FSDP parameter group under one root (made by
     :func:`compress`).
 
@@ -143,26 +143,13 @@ class FSDPCompressionState:
     def __init__(self, codec: str, error_feedback: bool = True, warmup_steps: int = 0,
                  min_compress_numel: int = 4096, guard_nonfinite: bool = True):
         # the settings, their checks and the warm-up / small-group policy are the DDP hook's
-        self.config = _Config(codec, error_feedback, warmup_steps, min_compress_numel,
-                              guard_nonfinite)
-        self.step = 0
+        super().__init__(_Config(codec, error_feedback, warmup_steps, min_compress_numel,
+                                 guard_nonfinite))
         self._params: Dict[int, Tuple[_Param, ...]] = {}  # per group index, set by compress()
         self._groups: Dict[int, _GroupState] = {}
         self._loaded: Dict[int, dict] = {}  # checkpointed groups not yet reduced in this process
         self._reduced = set()  # group indices reduced in the current step
-        self._stats = TrafficStats()
-        self._runtime = None
         self._group_name = None
-        self._guard = self.config.new_guard()
-        self._guard_step = 0
-
-    @property
-    def codec(self) -> str:
-        return self.config.codec
-
-    @property
-    def stats(self) -> dict:
-        return dict(self._stats.last)
 
     def describe(self, world: int) -> str:
         groups = ",".join(f"{i}:{len(p)}:{sum(math.prod(q.size) for q in p)}"
@@ -198,26 +185,11 @@ class FSDPCompressionState:
         self._loaded = {int(i): d for i, d in state["groups"].items()}
 
     def __getstate__(self):
-        self._commit()
-        d = dict(self.__dict__)
-        d["_runtime"], d["_guard"], d["_group_name"] = None, None, None
+        d = super().__getstate__()
+        d["_group_name"] = None
         return d
 
-    def __setstate__(self, d):
-        self.__dict__.update(d)
-        self._guard = self.config.new_guard()
-        self._guard_step = self.step
-
     # -- internals --------------------------------------------------------------------------------
-    def _commit(self) -> None:
-        """Settles the finished step: restores the residuals if a reduced shard was not finite, and
-        raises a decode error the device has reported."""
-        if self._guard is not None:
-            self._guard.commit()
-        self._guard_step = self.step
-        if self._runtime is not None:
-            self._runtime.check_errors()
-
     def _end_step(self) -> None:
         self._stats.end_step(self.step)
         self.step += 1

@@ -51,29 +51,70 @@ void encode_cast(EncodeArgs a, size_t n, typename P::Wire* out) {
   with_ef(a, [&](auto ef) { cast_encode_loop<P, ef.value>(a.grad, a.residual, a.prescale, n, out); });
 }
 
-// ---- int8: per block, max pass then quantise + residual pass (the block stays in L1) ----------
+// ---- blocks held in L1 ----------------------------------------------------------------------
+// int8 and sign read each block twice (its scale first, then the payload): the first pass keeps c
+// in an L1 buffer so the second neither reads grad and residual again nor recomputes c. A block
+// larger than the buffer is emitted in buffer-sized pieces, c recomputed for each piece.
+constexpr size_t kCacheFloats = 4096;  // 16 KB
+
+template <bool EF>
+inline void fill_c(const float* __restrict g, const float* __restrict r, float p, size_t len,
+                   float* __restrict c) {
+  for (size_t i = 0; i < len; ++i) c[i] = cin<EF>(g, r, p, i);
+}
+
+// Calls emit(c, offset, length) for the block's pieces, c filled; `cached` says whether the
+// first pass has left the whole block in c already.
+template <bool EF, class Emit>
+inline void for_each_piece(const float* g, const float* r, float p, size_t len, bool cached,
+                           float* c, Emit&& emit) {
+  for (size_t t = 0; t < len; t += kCacheFloats) {
+    const size_t l = min_sz(kCacheFloats, len - t);
+    if (!cached) fill_c<EF>(g + t, EF ? r + t : nullptr, p, l, c);
+    emit(t, l);
+  }
+}
+
+// ---- int8: per block, max pass (c into L1), then one quantise + residual pass -----------------
+template <bool EF>
+inline void int8_emit(const float* __restrict c, float* __restrict r, size_t len, float inv,
+                      float scale, int8_t* __restrict q) {
+  for (size_t i = 0; i < len; ++i) {
+    const float level = el::int8_level(c[i], inv);
+    q[i] = static_cast<int8_t>(level);
+    if constexpr (EF) r[i] = el::ef_residual(c[i], el::int8_level_value(level, scale), r[i]);
+  }
+}
+
 template <bool EF>
 void int8_encode_loop(const float* __restrict g, float* __restrict r, float p, size_t n,
                       uint32_t block, float* __restrict scales, int8_t* __restrict q) {
+  alignas(64) float c[kCacheFloats];
   for (size_t s = 0, b = 0; s < n; s += block, ++b) {
     const size_t len = min_sz(block, n - s);
     const float* gb = g + s;
     float* rb = EF ? r + s : nullptr;
+    const bool cached = len <= kCacheFloats;
     uint32_t m = 0;
-    for (size_t i = 0; i < len; ++i) {
-      const uint32_t k = el::abs_bits(cin<EF>(gb, rb, p, i));
-      m = k > m ? k : m;
+    if (cached) {
+      for (size_t i = 0; i < len; ++i) {
+        const float ci = cin<EF>(gb, rb, p, i);
+        c[i] = ci;
+        const uint32_t k = el::abs_bits(ci);
+        m = k > m ? k : m;
+      }
+    } else {
+      for (size_t i = 0; i < len; ++i) {
+        const uint32_t k = el::abs_bits(cin<EF>(gb, rb, p, i));
+        m = k > m ? k : m;
+      }
     }
     const float scale = el::int8_scale(m);
     const float inv = el::int8_inv_scale(m);
     scales[b] = scale;
-    int8_t* qb = q + s;
-    // Quantise, then the residual in its own loop: fused into one, GCC does not if-convert it.
-    // The block is still in L1, so the second read costs no memory traffic.
-    for (size_t i = 0; i < len; ++i) qb[i] = el::int8_quantize(cin<EF>(gb, rb, p, i), inv);
-    if constexpr (EF)
-      for (size_t i = 0; i < len; ++i)
-        rb[i] = el::ef_residual(cin<EF>(gb, rb, p, i), el::int8_dequantize(qb[i], scale), rb[i]);
+    for_each_piece<EF>(gb, rb, p, len, cached, c, [&](size_t t, size_t l) {
+      int8_emit<EF>(c, EF ? rb + t : nullptr, l, inv, scale, q + s + t);
+    });
   }
 }
 void encode_int8(EncodeArgs a, size_t n, uint32_t block, float* scales, int8_t* q) {
@@ -82,37 +123,76 @@ void encode_int8(EncodeArgs a, size_t n, uint32_t block, float* scales, int8_t* 
   });
 }
 
-// ---- sign: per block, the fixed 32-lane mean |x| tree, then bits + residual -------------------
+// ---- sign: per block, the fixed 32-lane mean |x| tree (c into L1), then bits, then residual ----
+// Bits of one full word from c[0..32) (tail words: sign_tail_word, bits past n stay 0).
+inline uint32_t sign_word(const float* __restrict c) {
+  uint32_t w = 0;
+  for (uint32_t j = 0; j < 32; ++j) w |= el::sign_bit(c[j]) << j;
+  return w;
+}
+inline uint32_t sign_tail_word(const float* __restrict c, size_t m) {
+  uint32_t w = 0;
+  for (size_t j = 0; j < m; ++j) w |= el::sign_bit(c[j]) << j;
+  return w;
+}
+
+template <bool EF>
+inline void sign_emit(const float* __restrict c, float* __restrict r, size_t len, float scale,
+                      uint32_t* __restrict words) {
+  size_t i = 0;
+  for (; i + 32 <= len; i += 32) words[i / 32] = sign_word(c + i);
+  if (i < len) words[i / 32] = sign_tail_word(c + i, len - i);
+  // The residual in its own loop: fused with the bit packing, GCC leaves it scalar.
+  if constexpr (EF)
+    for (i = 0; i < len; ++i)
+      r[i] = el::ef_residual(c[i], el::sign_decode(el::sign_bit(c[i]), scale), r[i]);
+}
+
+// The block's mean |c| by element.hpp's fixed tree. Lane j starts at element j (0 + |x| is |x|
+// bit for bit), so a full block needs no zeroing, which GCC turns into rep stos; the loop keeps the
+// 32 lanes in 4 vector registers.
+inline float sign_block_mean(const float* __restrict c, size_t len) {
+  alignas(64) float lanes[el::kSignLanes];
+  size_t i = 0;
+  if (len >= el::kSignLanes) {
+    for (int j = 0; j < el::kSignLanes; ++j) lanes[j] = abs_f(c[j]);
+    for (i = el::kSignLanes; i + el::kSignLanes <= len; i += el::kSignLanes)
+      for (int j = 0; j < el::kSignLanes; ++j) lanes[j] = lanes[j] + abs_f(c[i + j]);
+  } else {
+    for (int j = 0; j < el::kSignLanes; ++j) lanes[j] = 0.0f;
+  }
+  for (size_t j = 0; i + j < len; ++j) lanes[j] = lanes[j] + abs_f(c[i + j]);
+  return el::sign_lane_tree(lanes) / static_cast<float>(len);
+}
+
 template <bool EF>
 void sign_encode_loop(const float* __restrict g, float* __restrict r, float p, size_t n,
                       uint32_t block, float* __restrict scales, uint32_t* __restrict words) {
+  alignas(64) float c[kCacheFloats];
   for (size_t s = 0, b = 0; s < n; s += block, ++b) {
     const size_t len = min_sz(block, n - s);
     const float* gb = g + s;
     float* rb = EF ? r + s : nullptr;
-    // lane j sums elements j, j+32, ... in increasing order (element.hpp); 32 lanes = 2 zmm.
-    alignas(64) float lanes[el::kSignLanes] = {};
-    size_t i = 0;
-    for (; i + el::kSignLanes <= len; i += el::kSignLanes)
-      for (int j = 0; j < el::kSignLanes; ++j)
-        lanes[j] = lanes[j] + abs_f(cin<EF>(gb, rb, p, i + j));
-    for (size_t j = 0; i + j < len; ++j) lanes[j] = lanes[j] + abs_f(cin<EF>(gb, rb, p, i + j));
-    const float scale = el::sign_lane_tree(lanes) / static_cast<float>(len);
-    scales[b] = scale;
-    // Bits, then the residual in its own loop (as for int8: fused, GCC leaves it scalar). The
-    // block is in L1 by now.
-    uint32_t* wb = words + s / 32;
-    for (i = 0; i < len; i += 32) {
-      const size_t m = min_sz(32, len - i);  // tail word: bits past n stay 0
-      uint32_t w = 0;
-      for (size_t j = 0; j < m; ++j) w |= el::sign_bit(cin<EF>(gb, rb, p, i + j)) << j;
-      wb[i / 32] = w;
+    const bool cached = len <= kCacheFloats;
+    float scale;
+    if (cached) {
+      fill_c<EF>(gb, rb, p, len, c);
+      scale = sign_block_mean(c, len);
+    } else {  // the lanes' partial sums carried over the block's pieces
+      alignas(64) float lanes[el::kSignLanes];
+      for (int j = 0; j < el::kSignLanes; ++j) lanes[j] = 0.0f;
+      size_t i = 0;
+      for (; i + el::kSignLanes <= len; i += el::kSignLanes)
+        for (int j = 0; j < el::kSignLanes; ++j)
+          lanes[j] = lanes[j] + abs_f(cin<EF>(gb, rb, p, i + j));
+      for (size_t j = 0; i + j < len; ++j) lanes[j] = lanes[j] + abs_f(cin<EF>(gb, rb, p, i + j));
+      scale = el::sign_lane_tree(lanes) / static_cast<float>(len);
     }
-    if constexpr (EF)
-      for (i = 0; i < len; ++i) {
-        const float c = cin<EF>(gb, rb, p, i);
-        rb[i] = el::ef_residual(c, el::sign_decode(el::sign_bit(c), scale), rb[i]);
-      }
+    scales[b] = scale;
+    // Pieces are multiples of 32 elements, so each starts on a word.
+    for_each_piece<EF>(gb, rb, p, len, cached, c, [&](size_t t, size_t l) {
+      sign_emit<EF>(c, EF ? rb + t : nullptr, l, scale, words + (s + t) / 32);
+    });
   }
 }
 void encode_sign(EncodeArgs a, size_t n, uint32_t block, float* scales, uint32_t* words) {

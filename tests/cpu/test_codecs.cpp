@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 #include <tuple>
 
@@ -18,9 +19,10 @@ using namespace gztest;
 
 namespace {
 
-const char* const kSpecs[] = {"fp32",  "fp16",          "bf16",      "int8",     "int8:block=64",
-                              "sign",  "sign:block=32", "topk:0.01", "topk:0.3",
-                              "topk:0.01:values=fp16"};
+// int8:block=8192 and sign:block=65536 are larger than the encoders' L1 block buffer (4096).
+const char* const kSpecs[] = {"fp32",      "fp16",          "bf16",           "int8",
+                              "int8:block=64", "int8:block=8192", "sign",       "sign:block=32",
+                              "sign:block=65536", "topk:0.01",  "topk:0.3",     "topk:0.01:values=fp16"};
 
 // Sizes 0, 1, 7, block - 1, block + 1, 1000003 (block: the codec's, 256 for the others).
 std::vector<size_t> sizes_for(const Codec& c) {
@@ -348,6 +350,56 @@ INSTANTIATE_TEST_SUITE_P(AllCodecs, CodecProps, ::testing::ValuesIn(kSpecs),
 
 INSTANTIATE_TEST_SUITE_P(Topk, TopkTies,
                          ::testing::Values("topk:0.01", "topk:0.3", "topk:0.01:values=fp16", "topk:1"));
+
+// The blockwise wires bit for bit against their definitions, spelled out here in float: int8's
+// scale absmax / 127 and levels rint(c * (127 / absmax)); sign's mean |c| summed by 32 lanes
+// (lane j: elements j, j + 32, ... from +0.0), then lanes j + 16, 8, 4, 2, 1 folded in, divided by
+// the block's length. Blocks below, at and above the encoders' 4096-float L1 buffer; tails.
+TEST(Blockwise, WireBitsMatchDefinition) {
+  for (const char* spec : {"int8:block=32", "int8", "int8:block=4096", "int8:block=8192",
+                           "sign:block=32", "sign", "sign:block=4096", "sign:block=65536"}) {
+    const Codec codec = Codec::parse(spec);
+    const size_t block = codec.spec().block;
+    for (size_t n : {block - 1, 3 * block + 33}) {
+      SCOPED_TRACE(std::string(spec) + " n=" + std::to_string(n));
+      const auto g = random_grad(n, 31 + n);
+      const auto r0 = random_grad(n, 37 + n, 0.01f);
+      const auto c = codec_input(g, &r0, 0.5f);
+      const Encoded e = encode_ef(codec, g, r0, 0.5f);
+      const auto l = gradzip::payload_layout(codec.kind(), n, uint32_t(block), false);
+      const std::byte* payload = e.wire.data() + gradzip::kHeaderBytes;
+      for (size_t s = 0, b = 0; s < n; s += block, ++b) {
+        const size_t len = std::min(block, n - s);
+        float scale_on_wire;
+        std::memcpy(&scale_on_wire, payload + l.section0 + 4 * b, 4);
+        if (codec.kind() == CodecKind::int8) {
+          float absmax = 0.0f;
+          for (size_t i = s; i < s + len; ++i) absmax = std::max(absmax, std::fabs(c[i]));
+          ASSERT_TRUE(same_bits(scale_on_wire, absmax / 127.0f)) << "block " << b;
+          const float inv = 127.0f / absmax;
+          for (size_t i = s; i < s + len; ++i) {
+            const float level = std::nearbyint(c[i] * inv);
+            ASSERT_EQ(int(int8_t(payload[l.section1 + i])), int(level)) << i;
+            ASSERT_TRUE(same_bits(e.residual[i], c[i] - level * scale_on_wire)) << i;
+          }
+        } else {
+          float lanes[32] = {};
+          for (size_t i = 0; i < len; ++i) lanes[i % 32] += std::fabs(c[s + i]);
+          for (size_t w = 16; w >= 1; w /= 2)
+            for (size_t j = 0; j < w; ++j) lanes[j] += lanes[j + w];
+          ASSERT_TRUE(same_bits(scale_on_wire, lanes[0] / float(len))) << "block " << b;
+          for (size_t i = s; i < s + len; ++i) {
+            uint32_t word;
+            std::memcpy(&word, payload + l.section1 + 4 * (i / 32), 4);
+            ASSERT_EQ((word >> (i % 32)) & 1u, uint32_t(std::signbit(c[i]))) << i;
+            const float decoded = std::signbit(c[i]) ? -scale_on_wire : scale_on_wire;
+            ASSERT_TRUE(same_bits(e.residual[i], c[i] - decoded)) << i;
+          }
+        }
+      }
+    }
+  }
+}
 
 TEST(Codec, Int8BlockOfNaNOrHuge) {
   const Codec c = Codec::parse("int8:block=32");

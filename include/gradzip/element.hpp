@@ -138,12 +138,14 @@ GZ_HD float int8_inv_scale(uint32_t absmax_bits) {
 constexpr uint32_t kInt8LevelMaxBits = 0x42FE0000u;  // 127.0f
 GZ_HD float int8_level(float x, float inv_scale) {
   const float y = rintf(x * inv_scale);  // default rounding mode: nearest even
-  // Clamped to [-127, 127] on the bits (|y| by an unsigned min, sign kept; +-Inf -> +-127) and NaN
-  // (x non-finite, inv 0) cleared to +0 by a mask; the block's scale carries the NaN. Written as
-  // float selects, GCC moves them past the int8 conversion and narrows every mask (2-3x slower).
+  // Clamped to [-127, 127] on the bits (|y| by an unsigned min, sign kept; +-Inf -> +-127); NaN
+  // (x non-finite, inv 0) and -0 cleared to +0 by a mask (the int8 0 decodes to +0, and the
+  // residual c - 0 * scale must have the bits of c - (+0)); the block's scale carries the NaN.
+  // Written as float selects, GCC moves them past the int8 conversion and narrows every mask
+  // (2-3x slower).
   const uint32_t a = abs_bits(y);
   const uint32_t mag = a < kInt8LevelMaxBits ? a : kInt8LevelMaxBits;
-  const uint32_t keep = y == y ? 0xFFFFFFFFu : 0u;
+  const uint32_t keep = (y == y) & (a != 0u) ? 0xFFFFFFFFu : 0u;
   return bits_float(((float_bits(y) & ~kAbsMask) | mag) & keep);
 }
 GZ_HD int8_t int8_quantize(float x, float inv_scale) {

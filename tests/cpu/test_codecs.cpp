@@ -362,8 +362,9 @@ TEST(Blockwise, WireBitsMatchDefinition) {
     const size_t block = codec.spec().block;
     for (size_t n : {block - 1, 3 * block + 33}) {
       SCOPED_TRACE(std::string(spec) + " n=" + std::to_string(n));
-      const auto g = random_grad(n, 31 + n);
-      const auto r0 = random_grad(n, 37 + n, 0.01f);
+      auto g = random_grad(n, 31 + n);
+      auto r0 = random_grad(n, 37 + n, 0.01f);
+      for (size_t i = 0; i < n; i += 97) g[i] = r0[i] = -0.0f;  // c = -0: quantised to 0
       const auto c = codec_input(g, &r0, 0.5f);
       const Encoded e = encode_ef(codec, g, r0, 0.5f);
       const auto l = gradzip::payload_layout(codec.kind(), n, uint32_t(block), false);
@@ -379,8 +380,10 @@ TEST(Blockwise, WireBitsMatchDefinition) {
           const float inv = 127.0f / absmax;
           for (size_t i = s; i < s + len; ++i) {
             const float level = std::nearbyint(c[i] * inv);
-            ASSERT_EQ(int(int8_t(payload[l.section1 + i])), int(level)) << i;
-            ASSERT_TRUE(same_bits(e.residual[i], c[i] - level * scale_on_wire)) << i;
+            const int8_t q = int8_t(payload[l.section1 + i]);
+            ASSERT_EQ(int(q), int(level)) << i;
+            // c minus what the wire decodes to (the int8, so a level of -0 decodes to +0)
+            ASSERT_TRUE(same_bits(e.residual[i], c[i] - float(q) * scale_on_wire)) << i;
           }
         } else {
           float lanes[32] = {};

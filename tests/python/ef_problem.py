@@ -50,16 +50,19 @@ def make_optimizer(name: str, params, compressed: bool, lr: float | None = None)
 
 
 def train(codec: str, optimizer: str, error_feedback: bool, direction: bool, seed: int = 0,
-          steps: int = STEPS, lr: float | None = None):
+          steps: int = STEPS, lr: float | None = None, warmup_steps: int = 0,
+          optimizer_class=None):
     """Trains with ``codec``; ``direction``: the optimizer direction is compressed (gradzip.optim),
-    else the gradient (compress_hook's default). Returns (final loss on all data, largest ratio
+    else the gradient (compress_hook's default). ``optimizer_class``: a gradzip.optim class to use
+    instead of ``optimizer``'s (with ``direction``). Returns (final loss on all data, largest ratio
     of a worker's residual norm to the averaged gradient's norm, over the steps)."""
     x, y = data(seed)
     net = model(seed)
     params = list(net.parameters())
-    opt = make_optimizer(optimizer, params, direction, lr)
+    opt = (make_optimizer(optimizer, params, direction, lr) if optimizer_class is None
+           else optimizer_class(params, lr=LR[optimizer] if lr is None else lr, weight_decay=0.01))
     sim = SimulatedWorkers(codec, WORKERS, error_feedback=error_feedback, min_compress_numel=0,
-                           optimizer=opt if direction else None)
+                           warmup_steps=warmup_steps, optimizer=opt if direction else None)
     numels = [p.numel() for p in params]
     loss_fn = torch.nn.functional.cross_entropy
     gen = torch.Generator().manual_seed(seed + 1)

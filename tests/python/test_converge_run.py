@@ -63,6 +63,34 @@ def test_interrupted_run_resumes_exactly(tmp_path):
     assert train_simulated(other, tmp_path / "b", data, torch.device("cpu"))["config"]["steps"] == 4
 
 
+def test_frozen_variance_run_counts_its_uncompressed_warmup(tmp_path):
+    """A run with a compression warm-up sends fp32 for its first steps: the whole run's ratio
+    counts them, the ratio once compressing does not; checkpointed and resumed exactly."""
+    torch.set_num_threads(1)
+    cfg = replace(TINY, codec="sign", optimizer="frozen-variance-adamw", compress_warmup=4)
+    assert cfg.name == "sign+frozen-variance-adamw+w4"
+    data = load_data(cfg)
+    res = train_simulated(cfg, tmp_path / "a", data, torch.device("cpu"))
+    steps = read_jsonl(RunFiles(tmp_path / "a", cfg).steps)
+    assert all(r["bytes"] == r["raw_bytes"] for r in steps[:4])  # exact averages: fp32 traffic
+    assert all(r["bytes"] < r["raw_bytes"] / 10 for r in steps[4:])
+    assert res["total_bytes"] == sum(r["bytes"] for r in steps)
+    assert res["steady_ratio"] == pytest.approx(
+        sum(r["raw_bytes"] for r in steps[4:]) / sum(r["bytes"] for r in steps[4:]))
+    assert 1 < res["compression_ratio"] < res["steady_ratio"] / 2
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in steps)
+
+    def stop_at_5(step, loss):
+        if step == 5:  # after the checkpoint at 3, inside the warm-up; then compressed steps
+            raise Interrupt
+
+    with pytest.raises(Interrupt):
+        train_simulated(cfg, tmp_path / "b", data, torch.device("cpu"), progress=stop_at_5)
+    resumed = train_simulated(cfg, tmp_path / "b", data, torch.device("cpu"))
+    assert _losses(tmp_path / "a", cfg) == _losses(tmp_path / "b", cfg)
+    assert resumed["abs_rel"] == res["abs_rel"]
+
+
 def test_result_under_another_code_version_is_redone(tmp_path):
     torch.set_num_threads(1)
     cfg = replace(TINY, steps=4)
@@ -112,10 +140,10 @@ def _csv(path):
 
 def test_cpu_smoke_suite(smoke):
     out, stdout = smoke
-    assert "| run | bytes/step | ratio | AbsRel |" in stdout  # the table is printed
+    assert "| run | bytes/step | ratio, whole run | ratio, compressing | AbsRel |" in stdout
     rows = _csv(out / "summary.csv")
     assert list(rows[0]) == ["run", "codec", "error_feedback", "seed", "bytes_per_step",
-                             "compression_ratio", "abs_rel", "abs_rel_med", "sq_rel", "rmse",
+                             "total_bytes", "compression_ratio", "steady_ratio", "abs_rel", "abs_rel_med", "sq_rel", "rmse",
                              "rmse_log", "delta1", "delta2", "delta3", "final_loss",
                              "abs_rel_vs_fp32_pct", "steps_to_target"]
     table = {(r["run"], int(r["seed"])): r for r in rows}
@@ -125,6 +153,9 @@ def test_cpu_smoke_suite(smoke):
         assert float(fp32["compression_ratio"]) == pytest.approx(1.0)
         assert 3.5 < float(int8["compression_ratio"]) < 4.0  # 1 byte + block scales vs 4
         assert int(int8["bytes_per_step"]) < int(fp32["bytes_per_step"])
+        for row in (fp32, int8):  # no compression warm-up: the whole run compresses alike
+            assert float(row["steady_ratio"]) == pytest.approx(float(row["compression_ratio"]))
+            assert int(row["total_bytes"]) == pytest.approx(30 * int(row["bytes_per_step"]), abs=30)
         assert float(fp32["abs_rel_vs_fp32_pct"]) == 0
         assert float(int8["abs_rel_vs_fp32_pct"]) == pytest.approx(
             100 * (float(int8["abs_rel"]) / float(fp32["abs_rel"]) - 1), abs=1e-3)

@@ -54,6 +54,10 @@ class _Config:
             self.direction = direction
         if warmup_steps < 0 or min_compress_numel < 0:
             raise ValueError("gradzip: warmup_steps and min_compress_numel must be >= 0")
+        if self.direction is not None and self.direction.needs_warmup and warmup_steps < 1:
+            raise ValueError(f"gradzip: {type(optimizer).__name__} measures the variance on the "
+                             "uncompressed warm-up steps before it freezes it: warmup_steps must "
+                             "be >= 1 (about the learning rate's warm-up)")
         self.error_feedback = bool(error_feedback)
         self.warmup_steps = int(warmup_steps)
         self.min_compress_numel = int(min_compress_numel)
@@ -95,11 +99,17 @@ class _Config:
             owner = (bounds[rank], bounds[rank + 1] - bounds[rank])
         return store.get(index, layout, self.error_feedback, owner, moments, device)
 
-    def apply_direction(self, x: torch.Tensor, st) -> None:
-        """Turns this rank's gradient ``x`` into its optimizer direction, in place."""
+    def apply_direction(self, x: torch.Tensor, st, compressed: bool) -> None:
+        """Turns this rank's gradient ``x`` into what it sends for the optimizer, in place."""
         if self.direction is not None:
             st.updates += 1
-            self.direction.apply_(x, st.moments, st.updates)
+            self.direction.apply_(x, st.moments, st.updates, compressed)
+
+    def finish_direction(self, avg: torch.Tensor, st, compressed: bool) -> None:
+        """Turns the average ``avg`` into what the optimizer applies, in place (after
+        apply_direction of the same step)."""
+        if self.direction is not None:
+            self.direction.finish_(avg, st.moments, st.updates, self.warmup_steps, compressed)
 
 
 def _saved(st) -> list:
@@ -253,10 +263,22 @@ class CompressionState(_ReducerState):
         self._stats.add(cfg.plan, numels, self._world, self._rank, compressed)
         if self._guard is not None:
             self._guard.save(_saved(st))  # before any update: an overflow step undoes all
-        cfg.apply_direction(x, st)
-        return self._runtime.reduce(index, bucket_view, x, numels,
-                                    None if st is None else st.residual,
-                                    None if st is None else st.owner_residual, compressed)
+        cfg.apply_direction(x, st, compressed)
+        fut = self._runtime.reduce(index, bucket_view, x, numels,
+                                   None if st is None else st.residual,
+                                   None if st is None else st.owner_residual, compressed)
+        if cfg.direction is None:
+            return fut
+
+        def finish(f):
+            out = f.value()[0]
+            avg = out if out.dtype == torch.float32 else out.float()
+            cfg.finish_direction(avg, st, compressed)
+            if avg is not out:
+                out.copy_(avg)
+            return [out]
+
+        return fut.then(finish)
 
 
 class _ParameterKeys:
@@ -405,15 +427,19 @@ class SimulatedWorkers:
         for r in range(world):
             if self._guards[r] is not None:
                 self._guards[r].save(_saved(states[r]))
-            cfg.apply_direction(flats[r], states[r])
+            cfg.apply_direction(flats[r], states[r], compressed)
         if not compressed:
             out = torch.zeros_like(flats[0])
             for f in flats:
                 out += f / world
-            outs = [out] * world
+            # each rank's own copy where the optimizer finishes it in place
+            outs = [out] * world if cfg.direction is None else [out] + [
+                out.clone() for _ in range(world - 1)]
         else:
             outs = [torch.empty_like(f) for f in flats]
             run_simulated(self._bucket_reductions(bucket_index, numels, flats[0]), flats, states, outs)
+        for o, st in zip(outs, states):
+            cfg.finish_direction(o, st, compressed)
         for g, o in zip(self._guards, outs):
             if g is not None:
                 g.flag(o)

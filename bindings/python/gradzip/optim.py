@@ -1,5 +1,16 @@
-"""Optimizers made for compression: each rank computes its optimizer direction from its own
-gradient, and that direction is what gets compressed (with error feedback) and averaged.
+"""Optimizers made for compression: what gets compressed (with error feedback) and averaged is
+something linear in each rank's gradient, so that error feedback's guarantee holds.
+
+``FrozenVarianceAdamW`` (the 1-bit / 0/1 Adam family) keeps one Adam state, identical on every
+rank: while the compression warms up (``CompressionState(warmup_steps=N)``, N >= 1) the gradient is
+averaged exactly and m, v are updated from the average, as AdamW does; from then on each rank sends
+its candidate momentum ``b1 * m + (1 - b1) * g`` (linear in g), the compressed average becomes m,
+and v stays frozen at its value at the end of the warm-up. Buckets too small to compress keep
+running exact AdamW. Every rank updates m and v from the same averaged bits, so they stay
+bitwise identical.
+
+``CompressedAdamW`` and ``CompressedSGD`` are the older per-rank form: each rank computes its
+optimizer direction from its own gradient, and that direction is compressed and averaged.
 
 Why: error feedback keeps the *sum* of what was sent equal to the sum of what should have been
 sent, up to one bounded residual. That guarantee survives a linear update (``p -= lr * avg``) but
@@ -37,8 +48,8 @@ from typing import Iterable
 
 import torch
 
-__all__ = ["AdamDirection", "MomentumDirection", "CompressedAdamW", "CompressedSGD",
-           "compresses_direction"]
+__all__ = ["AdamDirection", "MomentumDirection", "FrozenVarianceAdam", "CompressedAdamW",
+           "CompressedSGD", "FrozenVarianceAdamW", "compresses_direction"]
 
 # Where compressing the optimizer direction beats compressing the gradient, by codec family and
 # optimizer (tests/python/test_error_feedback.py and the convergence harness measure it):
@@ -59,7 +70,25 @@ def compresses_direction(codec: str, optimizer: str) -> bool:
     return (codec.split(":", 1)[0], optimizer) in _DIRECTION_RECIPES
 
 
-class AdamDirection:
+class _Direction:
+    """What the hook does around the collective for a gradzip.optim optimizer, on one rank and
+    one bucket: ``apply_`` turns the rank's gradient into what it sends, before the compressor;
+    ``finish_`` turns the average into what ``opt.step()`` applies (``p -= lr * (x + wd * p)``).
+    ``moments``: this rank's ``buffers`` state tensors of the bucket; ``t``: 1-based count of the
+    updates they have seen; ``compressed``: whether this step's bucket is compressed."""
+
+    buffers = 0
+    needs_warmup = False  # True: CompressionState's warmup_steps must be >= 1
+
+    def apply_(self, g: torch.Tensor, moments: list, t: int, compressed: bool) -> torch.Tensor:
+        return g
+
+    def finish_(self, avg: torch.Tensor, moments: list, t: int, warmup_steps: int,
+                compressed: bool) -> torch.Tensor:
+        return avg
+
+
+class AdamDirection(_Direction):
     """``g <- m_hat / (sqrt(v_hat) + eps)`` with this rank's moments ``m, v`` of its gradient."""
 
     buffers = 2
@@ -72,8 +101,7 @@ class AdamDirection:
             raise ValueError(f"gradzip.optim: eps must be > 0, got {eps}")
         self.betas, self.eps = (b1, b2), float(eps)
 
-    def apply_(self, g: torch.Tensor, moments: list, t: int) -> torch.Tensor:
-        """``t``: 1-based count of the updates these moments have seen (bias correction)."""
+    def apply_(self, g: torch.Tensor, moments: list, t: int, compressed: bool) -> torch.Tensor:
         m, v = moments
         b1, b2 = self.betas
         m.mul_(b1).add_(g, alpha=1.0 - b1)
@@ -85,7 +113,7 @@ class AdamDirection:
         return f"adam(betas={self.betas[0]!r},{self.betas[1]!r} eps={self.eps!r})"
 
 
-class MomentumDirection:
+class MomentumDirection(_Direction):
     """``g <- u = momentum * u + g`` (Nesterov: ``g + momentum * u``) with this rank's velocity."""
 
     buffers = 1
@@ -95,13 +123,55 @@ class MomentumDirection:
             raise ValueError(f"gradzip.optim: momentum must be in [0, 1), got {momentum}")
         self.momentum, self.nesterov = float(momentum), bool(nesterov)
 
-    def apply_(self, g: torch.Tensor, moments: list, t: int) -> torch.Tensor:
+    def apply_(self, g: torch.Tensor, moments: list, t: int, compressed: bool) -> torch.Tensor:
         (u,) = moments
         u.mul_(self.momentum).add_(g)
         return g.add_(u, alpha=self.momentum) if self.nesterov else g.copy_(u)
 
     def describe(self) -> str:
         return f"momentum({self.momentum!r} nesterov={int(self.nesterov)})"
+
+
+class FrozenVarianceAdam(_Direction):
+    """One Adam state of the averaged gradient, the same on every rank; past the warm-up, the
+    momentum is what is compressed and the variance is frozen (see the module's doc)."""
+
+    buffers = 2
+    needs_warmup = True  # v is measured on exactly averaged gradients before it freezes
+
+    def __init__(self, betas=(0.9, 0.999), eps: float = 1e-8):
+        self._adam = AdamDirection(betas, eps)  # the same checks of betas and eps
+
+    @property
+    def betas(self):
+        return self._adam.betas
+
+    @property
+    def eps(self):
+        return self._adam.eps
+
+    def apply_(self, g: torch.Tensor, moments: list, t: int, compressed: bool) -> torch.Tensor:
+        if compressed:  # this rank's candidate momentum, linear in its gradient
+            b1 = self.betas[0]
+            g.mul_(1.0 - b1).add_(moments[0], alpha=b1)
+        return g
+
+    def finish_(self, avg: torch.Tensor, moments: list, t: int, warmup_steps: int,
+                compressed: bool) -> torch.Tensor:
+        m, v = moments
+        b1, b2 = self.betas
+        if compressed:
+            m.copy_(avg)
+            variance_updates = min(t, warmup_steps)  # v froze when the compression started
+        else:  # AdamW on the exact average
+            m.mul_(b1).add_(avg, alpha=1.0 - b1)
+            v.mul_(b2).addcmul_(avg, avg, value=1.0 - b2)
+            variance_updates = t
+        torch.div(v, 1.0 - b2 ** variance_updates, out=avg).sqrt_().add_(self.eps)
+        return avg.reciprocal_().mul_(m).div_(1.0 - b1 ** t)
+
+    def describe(self) -> str:
+        return f"frozen_variance_adam(betas={self.betas[0]!r},{self.betas[1]!r} eps={self.eps!r})"
 
 
 class _AppliesDirection(torch.optim.Optimizer):
@@ -146,6 +216,18 @@ class CompressedAdamW(_AppliesDirection):
                  weight_decay: float = 1e-2):
         super().__init__(params, {"lr": lr, "weight_decay": weight_decay},
                          AdamDirection(betas, eps))
+
+
+class FrozenVarianceAdamW(_AppliesDirection):
+    """AdamW with one state on every rank whose momentum is compressed once the compression's
+    warm-up (``CompressionState(warmup_steps=N)``, N >= 1) has measured the variance, which then
+    stays frozen; decoupled weight decay. ``betas`` and ``eps`` are the same for every parameter
+    group (the hook updates the moments per bucket, across groups)."""
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2):
+        super().__init__(params, {"lr": lr, "weight_decay": weight_decay},
+                         FrozenVarianceAdam(betas, eps))
 
 
 class CompressedSGD(_AppliesDirection):

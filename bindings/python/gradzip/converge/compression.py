@@ -50,12 +50,14 @@ def bucket_bounds(numels: list[int], cap_bytes: int,
 class Reducer:
     """Averages W flat fp32 gradients bucket by bucket; keeps the last step's traffic.
 
-    ``optimizer``: a gradzip.optim optimizer, whose per-worker direction is then what each worker
-    compresses (the reduce returns the averaged direction, for that optimizer's step)."""
+    ``optimizer``: a gradzip.optim optimizer, whose direction is then computed around the
+    collective (the reduce returns what that optimizer's step applies). ``warmup_steps``: the
+    first steps are averaged uncompressed (and counted as such in the bytes)."""
 
     def __init__(self, codec: str, workers: int, error_feedback: bool = True,
                  param_numels: list[int] | None = None, bucket_cap_mb: float = 25.0,
-                 first_bucket_bytes: int = FIRST_BUCKET_BYTES, optimizer=None):
+                 first_bucket_bytes: int = FIRST_BUCKET_BYTES, warmup_steps: int = 0,
+                 optimizer=None):
         from gradzip.ddp import SimulatedWorkers  # compiled extension: imported only here
 
         self.codec = canonical_codec(codec)
@@ -67,7 +69,8 @@ class Reducer:
         baseline = self.codec == BASELINE
         self._sim = SimulatedWorkers(self.codec, workers, error_feedback=error_feedback and not
                                      baseline, min_compress_numel=_NEVER if baseline else
-                                     MIN_COMPRESS_NUMEL, optimizer=optimizer)
+                                     MIN_COMPRESS_NUMEL, warmup_steps=warmup_steps,
+                                     optimizer=optimizer)
         self.bytes_per_step = 0  # bytes one worker sent in the last step
         self.raw_bytes_per_step = 0  # what an uncompressed fp32 ring all-reduce would send
 

@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from .compression import _NEVER, BASELINE, MIN_COMPRESS_NUMEL
 from .output import Progress, clear_results, summarise, write_suite_json
 from .training import (RunConfig, RunFiles, batch_indices, data_key, eval_due, evaluate, finish,
-                       load_data, make_model, make_optimizer, shard_loss)
+                       hook_optimizer, load_data, make_model, make_optimizer, shard_loss)
 
 
 def _broadcast(obj, src: int = 0):
@@ -47,7 +47,6 @@ class _DDP:
 
     def __init__(self, cfg: RunConfig, device):
         from gradzip.ddp import CompressionState, compress_hook
-        from gradzip.optim import CompressedAdamW
 
         self.model = make_model(cfg, device)
         self.forward = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None,
@@ -57,7 +56,7 @@ class _DDP:
         self.state = CompressionState(
             cfg.codec, error_feedback=cfg.error_feedback and not baseline,
             min_compress_numel=_NEVER if baseline else MIN_COMPRESS_NUMEL,
-            optimizer=self.opt if isinstance(self.opt, CompressedAdamW) else None)
+            warmup_steps=cfg.compress_warmup, optimizer=hook_optimizer(self.opt))
         self.forward.register_comm_hook(self.state, compress_hook)
 
 
@@ -80,7 +79,8 @@ class _FSDP:
         baseline = cfg.codec == BASELINE
         self.state = gradzip.fsdp.compress(
             self.model, cfg.codec, error_feedback=cfg.error_feedback and not baseline,
-            min_compress_numel=_NEVER if baseline else MIN_COMPRESS_NUMEL)
+            min_compress_numel=_NEVER if baseline else MIN_COMPRESS_NUMEL,
+            warmup_steps=cfg.compress_warmup)
 
 
 STRATEGIES = {"ddp": _DDP, "fsdp": _FSDP}

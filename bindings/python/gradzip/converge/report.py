@@ -24,12 +24,16 @@ TARGET = 1.05
 ID = ("run", "codec", "error_feedback")
 METRICS = NAMES + ("final_loss",)
 PAIRED = ("abs_rel_vs_fp32_pct", "steps_to_target")  # need the fp32 run of the same seed
-SUMMARY = ID + ("seed", "bytes_per_step", "compression_ratio") + METRICS + PAIRED
+# compression_ratio: over the whole run, uncompressed warm-up included; steady_ratio: once the
+# compression has started. total_bytes: what one worker sent over the whole run.
+BYTES = ("bytes_per_step", "total_bytes", "compression_ratio", "steady_ratio")
+SUMMARY = ID + ("seed",) + BYTES + METRICS + PAIRED
 SPREAD = METRICS + PAIRED  # reported as mean and std over seeds
-AGGREGATE = (ID + ("seeds", "bytes_per_step", "compression_ratio")
+AGGREGATE = (ID + ("seeds",) + BYTES
              + tuple(f"{k}_{s}" for k in SPREAD for s in ("mean", "std")) + ("target_reached",))
 TIMINGS = ("run", "seed", "wall_s", "codec_ms")
-MAIN = (("run", "run"), ("bytes/step", "bytes_per_step"), ("ratio", "compression_ratio"),
+MAIN = (("run", "run"), ("bytes/step", "bytes_per_step"), ("ratio, whole run", "compression_ratio"),
+        ("ratio, compressing", "steady_ratio"),
         ("AbsRel", "abs_rel"), ("AbsRel, median-scaled", "abs_rel_med"), ("RMSE", "rmse"),
         ("δ1", "delta1"), ("AbsRel vs fp32 (%)", "abs_rel_vs_fp32_pct"),
         ("steps to target", "steps_to_target"))
@@ -76,7 +80,7 @@ def aggregate(table: list[dict]) -> list[dict]:
     out = []
     for rs in runs.values():
         a = {k: rs[0][k] for k in ID} | {"seeds": len(rs)}
-        for k in ("bytes_per_step", "compression_ratio"):  # the codec's: the same for each seed
+        for k in BYTES:  # the codec's: the same for each seed
             a[k] = statistics.fmean(r[k] for r in rs)
         for k in SPREAD:
             a[f"{k}_mean"], a[f"{k}_std"] = mean_std(r[k] for r in rs)
@@ -90,7 +94,7 @@ def _csv(key: str, v) -> str:
         return ""
     if isinstance(v, bool):
         return str(v).lower()
-    if isinstance(v, int) or key == "bytes_per_step":
+    if isinstance(v, int) or key in ("bytes_per_step", "total_bytes"):
         return str(round(v))
     if isinstance(v, float):
         return f"{v:.6g}"
@@ -112,9 +116,9 @@ def _value(key: str, v) -> str:
         return "yes" if v else "no"
     if isinstance(v, str):
         return v
-    if key in ("bytes_per_step", "steps_to_target", "seed"):
+    if key in ("bytes_per_step", "total_bytes", "steps_to_target", "seed"):
         return f"{v:.0f}"
-    if key == "compression_ratio":
+    if key in ("compression_ratio", "steady_ratio"):
         return f"{v:.1f}"
     if key == "abs_rel_vs_fp32_pct":
         return f"{v:+.2f}"

@@ -11,26 +11,44 @@ STUDY = (("fp32", False), ("bf16", True), ("fp16", True), ("int8", True), ("sign
          ("topk:0.01:values=fp16", True), ("sign", False), ("topk:0.01:values=fp16", False))
 
 
+# The optimizer recipes under AdamW for the two ~30x codecs, side by side: today's recipe
+# (gradzip.optim.compresses_direction), and the frozen-variance Adam over compressed momentum with
+# an uncompressed warm-up as long as the learning rate's, with and without error feedback.
+FROZEN = {"optimizer": "frozen-variance-adamw", "compress_warmup": 60}
+RECIPES = (("fp32", False), ("sign", True), ("topk:0.01:values=fp16", True),
+           ("sign", True, FROZEN), ("sign", False, FROZEN),
+           ("topk:0.01:values=fp16", True, FROZEN), ("topk:0.01:values=fp16", False, FROZEN))
+
+
 @dataclass(frozen=True)
 class Suite:
     name: str
     base: RunConfig
-    runs: tuple[tuple[str, bool], ...]
+    runs: tuple[tuple, ...]  # (codec, error_feedback) or (codec, error_feedback, {settings})
     device: str  # "cpu" or "cuda"
     about: str
 
     def configs(self, **overrides) -> list[RunConfig]:
         base = replace(self.base, **overrides)
-        return [replace(base, codec=c, error_feedback=ef) for c, ef in self.runs]
+        return [replace(base, codec=run[0], error_feedback=run[1], **(run[2] if len(run) > 2 else {}))
+                for run in self.runs]
 
+
+CPU_DEFAULT = RunConfig(model="vit-t14", image_size=84, workers=4, batch_per_worker=4, steps=600,
+                        warmup_steps=60, lr=2e-3, train_scenes=4096, test_scenes=256,
+                        eval_every=100)
 
 SUITES = {
     "cpu-default": Suite(
         "cpu-default",
-        RunConfig(model="vit-t14", image_size=84, workers=4, batch_per_worker=4, steps=600,
-                  warmup_steps=60, lr=2e-3, train_scenes=4096, test_scenes=256, eval_every=100),
-        STUDY, "cpu", "vit-t14, 4 simulated workers, 8 codec runs of 600 steps; about 15-20 "
-                      "minutes on 2 cores with --jobs 2"),
+        CPU_DEFAULT, STUDY, "cpu",
+        "vit-t14, 4 simulated workers, 8 codec runs of 600 steps; about 15-20 minutes on 2 cores "
+        "with --jobs 2"),
+    "cpu-recipes": Suite(
+        "cpu-recipes",
+        CPU_DEFAULT, RECIPES, "cpu",
+        "cpu-default's sign and top-k 1 % under AdamW: today's recipe beside the frozen-variance "
+        "Adam (60 uncompressed steps), with and without error feedback"),
     "cpu-smoke": Suite(
         "cpu-smoke",
         RunConfig(model="vit-t14", image_size=56, workers=2, batch_per_worker=2, steps=30,

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from ..optim import CompressedAdamW
+from ..optim import CompressedAdamW, FrozenVarianceAdamW
 from ..optim import compresses_direction as recipe
 from .compression import BASELINE, Reducer, canonical_codec
 from .datasets import ProceduralDepth, materialize, open_dataset
@@ -52,6 +52,8 @@ class RunConfig:
     weight_decay: float = 0.05
     codec: str = BASELINE
     error_feedback: bool = True
+    optimizer: str = "recipe"  # one of OPTIMIZERS, or "recipe": gradzip.optim.compresses_direction's
+    compress_warmup: int = 0  # the first steps uncompressed (exact fp32 averages, bytes counted)
     seed: int = 0
     data: str = "procedural"  # or nyu:FILE / kitti:DEPTH,RAW / folder:DIR
     train_scenes: int = 512  # procedural only
@@ -66,7 +68,10 @@ class RunConfig:
     @property
     def name(self) -> str:
         codec = canonical_codec(self.codec)
-        return codec if self.error_feedback or codec == BASELINE else f"{codec}-noef"
+        name = codec if self.error_feedback or codec == BASELINE else f"{codec}-noef"
+        if self.optimizer != "recipe":
+            name += f"+{self.optimizer}"
+        return name + (f"+w{self.compress_warmup}" if self.compress_warmup else "")
 
 
 def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -151,25 +156,39 @@ def make_model(cfg: RunConfig, device: torch.device) -> torch.nn.Module:
     return model.to(device)
 
 
-def compresses_direction(cfg: RunConfig) -> bool:
-    """The recommended recipe for the run's codec under AdamW (gradzip.optim): compress each
-    worker's Adam direction (CompressedAdamW) or the gradient (torch's AdamW)."""
-    return canonical_codec(cfg.codec) != BASELINE and recipe(cfg.codec, "adamw")
+# The optimizers a run can name; gradzip.optim's need the Reducer or CompressionState to be given
+# them (hook_optimizer). Betas and eps: AdamW's defaults for all.
+OPTIMIZERS = {"adamw": torch.optim.AdamW, "compressed-adamw": CompressedAdamW,
+              "frozen-variance-adamw": FrozenVarianceAdamW}
+
+
+def optimizer_name(cfg: RunConfig) -> str:
+    """The run's optimizer; "recipe" resolves to gradzip.optim.compresses_direction's choice for
+    the codec under AdamW (CompressedAdamW where it compresses the direction)."""
+    if cfg.optimizer != "recipe":
+        if cfg.optimizer not in OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {cfg.optimizer!r}; known: recipe, "
+                             f"{', '.join(OPTIMIZERS)}")
+        return cfg.optimizer
+    direction = canonical_codec(cfg.codec) != BASELINE and recipe(cfg.codec, "adamw")
+    return "compressed-adamw" if direction else "adamw"
+
+
+def hook_optimizer(opt):
+    """``opt`` if the reduction must compute its direction (a gradzip.optim optimizer), else None."""
+    return opt if getattr(opt, "direction", None) is not None else None
 
 
 def make_optimizer(cfg: RunConfig, model: torch.nn.Module, compress_direction: bool = True):
-    """AdamW, or gradzip's CompressedAdamW where the codec's recipe compresses the direction (then
-    the Reducer or CompressionState must be given the optimizer) and ``compress_direction``
-    allows it (not under FSDP)."""
+    """The run's optimizer (optimizer_name) and its schedule; torch's AdamW where
+    ``compress_direction`` is False (FSDP, whose reduce-scatter computes no direction)."""
     decay, no_decay = [], []
     for n, p in model.named_parameters():  # no decay on norms, biases, tokens and LayerScale
         (no_decay if p.ndim <= 1 or n.endswith(("cls_token", "pos_embed")) else decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    if compress_direction and compresses_direction(cfg):
-        opt = CompressedAdamW(groups, lr=cfg.lr)  # betas and eps: AdamW's defaults, as below
-    else:
-        opt = torch.optim.AdamW(groups, lr=cfg.lr)
+    name = optimizer_name(cfg) if compress_direction else "adamw"
+    opt = OPTIMIZERS[name](groups, lr=cfg.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_factor(s, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio))
     return opt, sched
@@ -290,7 +309,7 @@ def train_simulated(cfg: RunConfig, out: Path, data: tuple[dict, dict], device: 
     opt, sched = make_optimizer(cfg, model)
     reducer = Reducer(cfg.codec, cfg.workers, cfg.error_feedback,
                       param_numels=[p.numel() for p in params], bucket_cap_mb=cfg.bucket_cap_mb,
-                      optimizer=opt if isinstance(opt, CompressedAdamW) else None)
+                      warmup_steps=cfg.compress_warmup, optimizer=hook_optimizer(opt))
     start, wall = 0, 0.0
     if (state := files.load_checkpoint()) is not None:
         model.load_state_dict(state["model"])
@@ -353,10 +372,14 @@ def finish(files: RunFiles, cfg: RunConfig, numel: int, wall: float) -> dict:
     metrics = {k: evals[-1][k] for k in NAMES}
     bytes_per_step = sum(r["bytes"] for r in recs) / len(recs)
     raw_bytes = sum(r["raw_bytes"] for r in recs) / len(recs)
+    # the ratio once compressing, beside compression_ratio's over the whole run (warm-up included)
+    steady = recs[cfg.compress_warmup:] or recs
+    steady_ratio = sum(r["raw_bytes"] for r in steady) / sum(r["bytes"] for r in steady)
     codec_ms = [r["codec_ms"] for r in recs if r.get("codec_ms") is not None]
     res = {"run": cfg.name, "codec": canonical_codec(cfg.codec),
            "error_feedback": cfg.error_feedback, "seed": cfg.seed, "params": numel,
-           "bytes_per_step": bytes_per_step, "compression_ratio": raw_bytes / bytes_per_step,
+           "bytes_per_step": bytes_per_step, "total_bytes": sum(r["bytes"] for r in recs),
+           "compression_ratio": raw_bytes / bytes_per_step, "steady_ratio": steady_ratio,
            "codec_ms": sum(codec_ms) / len(codec_ms) if codec_ms else None,
            "final_loss": sum(r["loss"] for r in recs[-10:]) / len(recs[-10:]),
            "wall_s": wall, **metrics, **files.key}

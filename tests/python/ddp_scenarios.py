@@ -319,6 +319,55 @@ def pickle_resume_one(rank, world, outdir, codec, optimizer):
     del ddp2
 
 
+def world_change(rank, world, outdir, codec, optimizer, phase):
+    """An elastic restart at another world size. "save": 3 steps, each rank saves its checkpoint.
+    "load": every rank loads the checkpoint of rank ``rank % saved ranks`` and trains 2 steps, and
+    beside it a twin starts from the same weights with a fresh CompressionState at step 3; records
+    the warnings and both runs' parameters."""
+    import warnings
+
+    def setup(model):
+        opt = make_optimizer(optimizer, model.parameters())
+        state = CompressionState(codec, min_compress_numel=0,
+                                 optimizer=None if optimizer is None else opt)
+        ddp = make_ddp(model, {})
+        ddp.register_comm_hook(state, compress_hook)
+        return ddp, opt, state
+
+    def run(ddp, opt, steps):
+        for step in steps:
+            opt.zero_grad()
+            loss_fn(ddp, *batch(step, rank)).backward()
+            opt.step()
+
+    if phase == "save":
+        model = make_model()
+        ddp, opt, state = setup(model)
+        run(ddp, opt, range(3))
+        torch.save({"model": model.state_dict(), "gradzip": state.state_dict(), "world": world},
+                   os.path.join(outdir, f"world_ckpt_{rank}.pt"))
+        return
+    saved_ranks = len([f for f in os.listdir(outdir) if f.startswith("world_ckpt_")])
+    saved = torch.load(os.path.join(outdir, f"world_ckpt_{rank % saved_ranks}.pt"), weights_only=False)
+    params = {}
+    for name in ("loaded", "fresh"):
+        model = make_model()
+        model.load_state_dict(saved["model"])
+        ddp, opt, state = setup(model)
+        if name == "loaded":
+            state.load_state_dict(saved["gradzip"])
+        else:
+            state.step = saved["gradzip"]["step"]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run(ddp, opt, range(3, 5))
+        params[name] = [p.detach().clone() for p in model.parameters()]
+        params[name + "_warnings"] = [str(w.message) for w in caught if "gradzip" in str(w.message)]
+        params[name + "_residuals"] = state.state_dict()["residuals"]
+        del ddp
+    torch.save(params, os.path.join(outdir, f"world_{rank}.pt"))
+
+
 def mismatched(rank, world, outdir, codecs):
     """Ranks configured with different codecs: every rank must raise at the first step."""
     model = make_model()

@@ -19,6 +19,7 @@ rounding).
 
 import logging
 import os
+import warnings
 from typing import List, Optional
 
 import torch
@@ -203,6 +204,8 @@ class CompressionState(_ReducerState):
         self._ef = StateStore()
         self._keys = _ParameterKeys()
         self._resumed_step = None  # the step a checkpoint was loaded at (see _reduce_as_saved)
+        self._world = self._rank = None  # known at the first hook call
+        self._saved_world = None  # the world size a loaded checkpoint was saved at, if known
         if optimizer is not None:
             optimizer.attached = True
 
@@ -210,7 +213,8 @@ class CompressionState(_ReducerState):
     def state_dict(self) -> dict:
         self._commit()
         return {"version": _STATE_VERSION, "codec": self.config.codec, "step": self.step,
-                "error_feedback": self.config.error_feedback, "residuals": self._ef.state_dict()}
+                "error_feedback": self.config.error_feedback, "world_size": self._world,
+                "residuals": self._ef.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("version") != _STATE_VERSION:
@@ -223,6 +227,7 @@ class CompressionState(_ReducerState):
         self.step = int(state["step"])
         self._ef.load_state_dict(state["residuals"])
         self._resumed_step = self.step
+        self._saved_world = state.get("world_size")
 
     # -- pickling without the process group (as PowerSGDState) ----------------------------------
     def __getstate__(self):
@@ -236,6 +241,7 @@ class CompressionState(_ReducerState):
         # whose parameters it numbers afresh from the first iteration it sees.
         self._keys = _ParameterKeys()
         self._resumed_step = self.step
+        self._saved_world = d.get("_world")
         logger.info("gradzip: CompressionState unpickled; process_group set to the default group")
 
     # -- internals --------------------------------------------------------------------------------
@@ -249,7 +255,24 @@ class CompressionState(_ReducerState):
             self._runtime = torch.classes.gradzip.CompressedAllreduce(
                 reducing_group(group, device).group_name, self.config.codec, self._guard)
             self._world, self._rank = group.size(), group.rank()
+            self._drop_state_of_another_world()
         return self._runtime
+
+    def _drop_state_of_another_world(self) -> None:
+        """A checkpoint saved at another world size (an elastic restart with fewer or more ranks)
+        continues from zero residuals and moments: they are per rank (this rank's share of the
+        average, its shard of a bucket), and with another number of ranks they have no
+        counterpart. The step count is kept."""
+        saved, self._saved_world = self._saved_world, None
+        if saved is None or saved == self._world:
+            return
+        if self._ef.buckets:
+            warnings.warn(f"gradzip: the CompressionState checkpoint was saved with world size "
+                          f"{saved}, this process group has {self._world} ranks: its residuals "
+                          f"and optimizer moments are dropped (they are per rank); training "
+                          f"continues from zero residuals at step {self.step}", stacklevel=3)
+        self._ef = StateStore()
+        self._resumed_step = None
 
     def _reduce(self, index, bucket_view, x, layout, st, compressed):
         """Enqueues one reduction of ``x`` (the bucket's float32 values) in C++; returns its Future."""

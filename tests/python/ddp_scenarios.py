@@ -18,7 +18,8 @@ IN, OUT = 20, 7
 
 
 class Net(nn.Module):
-    """Three layers (several DDP buckets with a small bucket cap) and an optional unused branch;
+    """Three layers (several DDP buckets with a small bucket cap) and an optional branch, unused
+    unless ``use_branch`` is set;
     ``extra``: "zero" adds a layer of zero outputs (zero-size parameters, concatenated to the
     output), "sparse" an nn.Embedding with sparse gradients (indices taken from the input)."""
 
@@ -35,6 +36,8 @@ class Net(nn.Module):
 
     def forward(self, x):
         y = self.body(x)
+        if self.unused is not None and getattr(self, "use_branch", False):
+            y = y + self.unused(x)[:, :OUT]
         if self.extra == "zero":
             return torch.cat([y, self.empty(x)], dim=1)
         if self.extra == "sparse":
@@ -136,6 +139,7 @@ def twin(rank, world, outdir, configs):
                 ddp.register_comm_hook(state, compress_hook)
             grads, params = [], []
             for step in range(cfg.get("steps", 3)):
+                model.use_branch = step in cfg.get("branch_steps", ())
                 opt.zero_grad(set_to_none=cfg.get("set_to_none", True))
                 loss_fn(ddp, *batch(step, rank)).backward()
                 grads.append([None if p.grad is None else p.grad.detach().to_dense().clone()

@@ -312,7 +312,8 @@ def compress_hook(state: "CompressionState",
     if state._guard_step != state.step:
         state._commit()  # first bucket of a new step: the previous step is complete
     # DDP gives a sparse gradient (nn.Embedding(sparse=True)) a bucket of its own
-    fut = _reduce_dense(state, bucket, buf) if buf.layout == torch.strided else _reduce_sparse(state, buf)
+    dense = buf.layout == torch.strided
+    fut = _reduce_dense(state, bucket, buf) if dense else _reduce_sparse(state, buf)
     if bucket.is_last():
         state._stats.end_step(state.step)
         state.step += 1

@@ -25,7 +25,8 @@ class Progress:
     ended by Ctrl-C would leave to the resource tracker's "leaked semaphore" warning."""
 
     def __init__(self, cfg: RunConfig, quiet: bool):
-        self.name, self.total, self.step, self.loss = f"{cfg.name:>14} s{cfg.seed}", cfg.steps, 0, None
+        self.name, self.total = f"{cfg.name:>14} s{cfg.seed}", cfg.steps
+        self.step, self.loss = 0, None
         self.lines = not quiet and not sys.stdout.isatty()
         self.bar = None
         if not quiet and not self.lines:

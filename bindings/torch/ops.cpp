@@ -60,12 +60,23 @@ void check_device(const char* op, const char* name, const Tensor& t) {
 #endif
 }
 
+// The codecs read flat memory: a sparse tensor (which reaches these kernels through the sparse
+// dispatch keys registered below) is refused before anything else, naming its layout.
+void check_dense(const char* op, const char* name, const Tensor& t) {
+  if (t.layout() == c10::kStrided) return;
+  const std::string layout = t.layout() == c10::kSparse      ? "torch.sparse_coo"
+                            : t.layout() == c10::kSparseCsr ? "torch.sparse_csr"
+                                                            : c10::str(t.layout());
+  TORCH_CHECK_VALUE(false, "gradzip.", op, ": ", name, " has layout ", layout,
+                    "; the codecs take dense (torch.strided) tensors: pass .to_dense()");
+}
+
 // A float32 tensor of any shape, dense and contiguous (the codecs work on flat memory).
 void check_float(const char* op, const char* name, const Tensor& t) {
+  check_dense(op, name, t);
   TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, "gradzip.", op, ": ", name,
                    " must be float32, got ", t.scalar_type(),
                    " (cast with .float(); bf16/fp16 gradients are upcast by the Python API)");
-  TORCH_CHECK_VALUE(t.layout() == c10::kStrided, "gradzip.", op, ": ", name, " must be dense");
   TORCH_CHECK_VALUE(t.is_contiguous(), "gradzip.", op, ": ", name,
                     " must be contiguous (call .contiguous())");
   check_device(op, name, t);
@@ -73,6 +84,7 @@ void check_float(const char* op, const char* name, const Tensor& t) {
 
 // A payload: 1-D contiguous uint8.
 void check_bytes(const char* op, const char* name, const Tensor& t) {
+  check_dense(op, name, t);
   TORCH_CHECK_TYPE(t.scalar_type() == at::kByte, "gradzip.", op, ": ", name,
                    " must be uint8, got ", t.scalar_type());
   TORCH_CHECK_VALUE(t.layout() == c10::kStrided && t.dim() == 1, "gradzip.", op, ": ", name,
@@ -286,3 +298,11 @@ TORCH_LIBRARY_IMPL(gradzip, CPU, m) { impl_tensor_ops(m); }
 // current stream; without it check_device rejects them with a ValueError that says how to rebuild,
 // rather than the dispatcher's "could not run ... with arguments from the 'CUDA' backend".
 TORCH_LIBRARY_IMPL(gradzip, CUDA, m) { impl_tensor_ops(m); }
+
+// Sparse COO and CSR tensors reach the same kernels too, whose first check refuses them with a
+// ValueError naming the layout (for C++ callers of torch.ops.gradzip.* as for the Python API),
+// rather than the dispatcher's NotImplementedError.
+TORCH_LIBRARY_IMPL(gradzip, SparseCPU, m) { impl_tensor_ops(m); }
+TORCH_LIBRARY_IMPL(gradzip, SparseCUDA, m) { impl_tensor_ops(m); }
+TORCH_LIBRARY_IMPL(gradzip, SparseCsrCPU, m) { impl_tensor_ops(m); }
+TORCH_LIBRARY_IMPL(gradzip, SparseCsrCUDA, m) { impl_tensor_ops(m); }

@@ -18,21 +18,36 @@ IN, OUT = 20, 7
 
 
 class Net(nn.Module):
-    """Three layers (several DDP buckets with a small bucket cap) and an optional unused branch."""
+    """Three layers (several DDP buckets with a small bucket cap) and an optional branch, unused
+    unless ``use_branch`` is set;
+    ``extra``: "zero" adds a layer of zero outputs (zero-size parameters, concatenated to the
+    output), "sparse" an nn.Embedding with sparse gradients (indices taken from the input)."""
 
-    def __init__(self, unused_branch=False):
+    def __init__(self, unused_branch=False, extra=None):
         super().__init__()
         self.body = nn.Sequential(nn.Linear(IN, 48), nn.Tanh(), nn.Linear(48, 40), nn.Tanh(),
                                   nn.Linear(40, OUT))
         self.unused = nn.Linear(IN, 16) if unused_branch else None
+        self.extra = extra
+        if extra == "zero":
+            self.empty = nn.Linear(IN, 0)
+        elif extra == "sparse":
+            self.emb = nn.Embedding(30, OUT, sparse=True)
 
     def forward(self, x):
-        return self.body(x)
+        y = self.body(x)
+        if self.unused is not None and getattr(self, "use_branch", False):
+            y = y + self.unused(x)[:, :OUT]
+        if self.extra == "zero":
+            return torch.cat([y, self.empty(x)], dim=1)
+        if self.extra == "sparse":
+            return y + self.emb((x[:, :3].abs() * 10).long() % 30).mean(1)
+        return y
 
 
-def make_model(unused_branch=False):
+def make_model(unused_branch=False, extra=None):
     torch.manual_seed(1234)  # identical initial replicas
-    return Net(unused_branch)
+    return Net(unused_branch, extra)
 
 
 def batch(step, rank, poison=False):
@@ -88,7 +103,7 @@ def make_ddp(model, cfg):
 def train(rank, world, outdir, configs):
     """For each config: DDP + compress_hook (recorded) for a few SGD steps."""
     for name, cfg in configs:
-        model = make_model(cfg.get("unused_branch", False))
+        model = make_model(cfg.get("unused_branch", False), cfg.get("extra"))
         ddp = make_ddp(model, cfg)
         opt = make_optimizer(cfg.get("optimizer"), model.parameters())
         state = CompressionState(cfg["codec"], min_compress_numel=cfg.get("min_numel", 32),
@@ -107,6 +122,35 @@ def train(rank, world, outdir, configs):
                     "grads": [None if p.grad is None else p.grad.clone() for p in model.parameters()]},
                    os.path.join(outdir, f"{name}_{rank}.pt"))
         del ddp
+
+
+def twin(rank, world, outdir, configs):
+    """For each config: the same training with compress_hook and without a hook (plain DDP),
+    recording the gradients of the first step and the parameters after each step."""
+    for name, cfg in configs:
+        out = {}
+        for hooked in (True, False):
+            model = make_model(cfg.get("unused_branch", False), cfg.get("extra"))
+            ddp = make_ddp(model, cfg)
+            opt = torch.optim.SGD(model.parameters(), lr=0.05)
+            state = None
+            if hooked:
+                state = CompressionState(cfg["codec"], min_compress_numel=0)
+                ddp.register_comm_hook(state, compress_hook)
+            grads, params = [], []
+            for step in range(cfg.get("steps", 3)):
+                model.use_branch = step in cfg.get("branch_steps", ())
+                opt.zero_grad(set_to_none=cfg.get("set_to_none", True))
+                loss_fn(ddp, *batch(step, rank)).backward()
+                grads.append([None if p.grad is None else p.grad.detach().to_dense().clone()
+                              for p in model.parameters()])
+                opt.step()
+                params.append([p.detach().clone() for p in model.parameters()])
+            out["hook" if hooked else "plain"] = {
+                "grads": grads, "params": params,
+                "residuals": None if state is None else state.state_dict()["residuals"]}
+            del ddp
+        torch.save(out, os.path.join(outdir, f"twin_{name}_{rank}.pt"))
 
 
 def fp16_vs_pytorch(rank, world, outdir):
@@ -223,6 +267,109 @@ def checkpoint_resume_one(rank, world, outdir, codec):
                 "unpickled_residuals": {i: ef.residual for i, ef in unpickled._ef.buckets.items()},
                 "saved_residuals": {i: v["residual"] for i, v in saved["hook"]["residuals"].items()}},
                os.path.join(outdir, f"ckpt_{codec}_{rank}.pt"))
+
+
+def pickle_resume(rank, world, outdir, configs):
+    for codec, optimizer in configs:
+        pickle_resume_one(rank, world, outdir, codec, optimizer)
+
+
+def pickle_resume_one(rank, world, outdir, codec, optimizer):
+    """As PyTorch's _test_hook_pickling: 3 steps, the hook's state object itself saved (torch.save)
+    with the model and optimizer, loaded and registered on a fresh DDP model, 3 more steps; against
+    6 uninterrupted steps. find_unused_parameters=True: the fresh DDP's first iteration reduces one
+    bucket where the saved state holds several."""
+    cfg = {"find_unused": True}
+
+    def setup(model):
+        opt = make_optimizer(optimizer, model.parameters())
+        return make_ddp(model, cfg), opt
+
+    def run(ddp, opt, steps):
+        for step in steps:
+            opt.zero_grad()
+            loss_fn(ddp, *batch(step, rank)).backward()
+            opt.step()
+
+    model = make_model()
+    ddp, opt = setup(model)
+    state = CompressionState(codec, min_compress_numel=0,
+                             optimizer=None if optimizer is None else opt)
+    ddp.register_comm_hook(state, compress_hook)
+    run(ddp, opt, range(3))
+    blob = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "hook": state}, blob)
+    run(ddp, opt, range(3, 6))
+    uninterrupted = [p.detach().clone() for p in model.parameters()]
+    del ddp
+
+    blob.seek(0)
+    saved = torch.load(blob, weights_only=False)
+    model2 = make_model()
+    with torch.no_grad():
+        for p in model2.parameters():
+            p.add_(1.0)  # the checkpoint, not the seed, restores the weights
+    model2.load_state_dict(saved["model"])
+    ddp2, opt2 = setup(model2)
+    opt2.load_state_dict(saved["opt"])
+    state2 = saved["hook"]
+    if optimizer is not None:
+        opt2.attached = True  # the loaded state computes this optimizer's direction
+    ddp2.register_comm_hook(state2, compress_hook)
+    run(ddp2, opt2, range(3, 6))
+    torch.save({"uninterrupted": uninterrupted, "resumed": [p.detach().clone() for p in model2.parameters()],
+                "group_is_none": state2.process_group is None},
+               os.path.join(outdir, f"pickle_{codec}_{optimizer}_{rank}.pt"))
+    del ddp2
+
+
+def world_change(rank, world, outdir, codec, optimizer, phase):
+    """An elastic restart at another world size. "save": 3 steps, each rank saves its checkpoint.
+    "load": every rank loads the checkpoint of rank ``rank % saved ranks`` and trains 2 steps, and
+    beside it a twin starts from the same weights with a fresh CompressionState at step 3; records
+    the warnings and both runs' parameters."""
+    import warnings
+
+    def setup(model):
+        opt = make_optimizer(optimizer, model.parameters())
+        state = CompressionState(codec, min_compress_numel=0,
+                                 optimizer=None if optimizer is None else opt)
+        ddp = make_ddp(model, {})
+        ddp.register_comm_hook(state, compress_hook)
+        return ddp, opt, state
+
+    def run(ddp, opt, steps):
+        for step in steps:
+            opt.zero_grad()
+            loss_fn(ddp, *batch(step, rank)).backward()
+            opt.step()
+
+    if phase == "save":
+        model = make_model()
+        ddp, opt, state = setup(model)
+        run(ddp, opt, range(3))
+        torch.save({"model": model.state_dict(), "gradzip": state.state_dict(), "world": world},
+                   os.path.join(outdir, f"world_ckpt_{rank}.pt"))
+        return
+    saved_ranks = len([f for f in os.listdir(outdir) if f.startswith("world_ckpt_")])
+    saved = torch.load(os.path.join(outdir, f"world_ckpt_{rank % saved_ranks}.pt"), weights_only=False)
+    params = {}
+    for name in ("loaded", "fresh"):
+        model = make_model()
+        model.load_state_dict(saved["model"])
+        ddp, opt, state = setup(model)
+        if name == "loaded":
+            state.load_state_dict(saved["gradzip"])
+        else:
+            state.step = saved["gradzip"]["step"]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run(ddp, opt, range(3, 5))
+        params[name] = [p.detach().clone() for p in model.parameters()]
+        params[name + "_warnings"] = [str(w.message) for w in caught if "gradzip" in str(w.message)]
+        params[name + "_residuals"] = state.state_dict()["residuals"]
+        del ddp
+    torch.save(params, os.path.join(outdir, f"world_{rank}.pt"))
 
 
 def mismatched(rank, world, outdir, codecs):

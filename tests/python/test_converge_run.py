@@ -1,6 +1,6 @@
 """Training runs end to end: exact resume from a checkpoint, the cache key, the CLI's cpu-smoke
-suite and its outputs (over seeds, reproducible byte for byte, in parallel jobs), the DDP mode
-under torchrun."""
+suite and its outputs (over seeds, reproducible byte for byte, in parallel jobs), its progress
+lines off a terminal and its Ctrl-C, the DDP mode under torchrun."""
 import csv
 import json
 import os
@@ -120,7 +120,7 @@ def _cli(args, timeout=600, env_extra=None):
                           text=True, timeout=timeout, env=env)
 
 
-SMOKE = ["--suite", "cpu-smoke", "--seeds", "2", "--quiet"]
+SMOKE = ["--suite", "cpu-smoke", "--seeds", "2"]
 DETERMINISTIC = ("summary.csv", "aggregate.csv", "summary.md", "evals.jsonl")
 
 
@@ -141,10 +141,17 @@ def _csv(path):
 def test_cpu_smoke_suite(smoke):
     out, stdout = smoke
     assert "| run | bytes/step | ratio, whole run | ratio, compressing | AbsRel |" in stdout
+    # stdout is not a terminal: one line per run start, evaluation and end, no progress bar
+    progress = [line.split(": ", 1) for line in stdout.splitlines() if " s0: " in line or " s1: " in line]
+    assert [(name.strip(), what.split(" loss")[0]) for name, what in progress] == [
+        (f"{run} s{seed}", what) for seed in (0, 1) for run in ("fp32", "int8")
+        for what in ("training, 30 steps", "step 10/30", "step 20/30", "step 30/30", "done")]
+    assert all(" AbsRel " in what for _, what in progress if what.startswith("step"))
     rows = _csv(out / "summary.csv")
     assert list(rows[0]) == ["run", "codec", "error_feedback", "seed", "bytes_per_step",
-                             "total_bytes", "compression_ratio", "steady_ratio", "abs_rel", "abs_rel_med", "sq_rel", "rmse",
-                             "rmse_log", "delta1", "delta2", "delta3", "final_loss",
+                             "total_bytes", "compression_ratio", "steady_ratio", "abs_rel",
+                             "abs_rel_med", "sq_rel", "rmse", "rmse_log", "delta1", "delta2",
+                             "delta3", "final_loss",
                              "abs_rel_vs_fp32_pct", "steps_to_target"]
     table = {(r["run"], int(r["seed"])): r for r in rows}
     assert list(table) == [("fp32", 0), ("fp32", 1), ("int8", 0), ("int8", 1)]
@@ -196,6 +203,27 @@ def test_results_are_reproducible_byte_for_byte_and_in_parallel(smoke, tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     for name in DETERMINISTIC:
         assert (tmp_path / name).read_bytes() == (smoke[0] / name).read_bytes(), name
+
+
+def test_ctrl_c_keeps_finished_runs_and_exits_130_without_traceback(tmp_path):
+    """Ctrl-C (SIGINT to the process group, as a terminal sends it) during two parallel jobs: one
+    line saying how to resume, exit code 130, no traceback from the pool's workers, no leaked
+    semaphores."""
+    cmd = [sys.executable, "-m", "gradzip.converge", "--suite", "cpu-smoke", "--out", str(tmp_path),
+           "--jobs", "2"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        assert "training" in p.stdout.readline()  # a run has started in a worker
+        os.killpg(p.pid, signal.SIGINT)
+        _, stderr = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 130, stderr[-3000:]
+    assert stderr.strip().splitlines() == [
+        "interrupted: finished runs are kept; run the same command again to resume the others "
+        "from their last checkpoints"], stderr[-3000:]
 
 
 def test_cli_errors_are_clear(tmp_path):

@@ -69,6 +69,7 @@ UNUSED = [(f"unused_{c.split(':')[0]}", {"codec": c, "unused_branch": True, "fin
           for c in ("int8", "topk:0.1", "bf16")]
 OVERFLOW = ["int8", "topk:0.1"]
 CKPT = ["int8", "topk:0.1", "sign"]
+PICKLE = [(codec, opt) for codec in ("int8", "sign", "topk:0.01") for opt in (None, "adamw", "sgd")]
 MISMATCH = {2: ["int8", "topk:0.01"], 3: ["sign", "sign", "sign:block=512"]}
 
 
@@ -79,7 +80,7 @@ def session(request, tmp_path_factory):
     world = request.param
     outdir = tmp_path_factory.mktemp(f"ddp{world}")
     plan = [("train", (TRAIN + UNUSED + DIRECTION,)), ("fp16_vs_pytorch", ()), ("overflow", (OVERFLOW,)),
-            ("checkpoint_resume", (CKPT,)),
+            ("checkpoint_resume", (CKPT,)), ("pickle_resume", (PICKLE,)),
             ("mismatched", (MISMATCH[world],))]  # last: it leaves a DDP mid-backward
     run_ranks(sc.session, world, str(outdir), plan, timeout=240)
     return world, outdir
@@ -167,6 +168,17 @@ def test_checkpoint_resume_reproduces_exactly(session, codec):
         assert run["saved_residuals"] and any(v.abs().sum() > 0 for v in run["saved_residuals"].values())
         for i, v in run["saved_residuals"].items():
             assert torch.equal(run["unpickled_residuals"][i], v)
+
+
+@pytest.mark.parametrize("codec,optimizer", PICKLE, ids=[f"{c}-{o}" for c, o in PICKLE])
+def test_pickled_state_resumes_exactly(session, codec, optimizer):
+    """The hook's state object, saved and loaded (torch.save/pickle) and registered on a fresh DDP
+    model, continues exactly as the uninterrupted run."""
+    world, outdir = session
+    for run in load(outdir, f"pickle_{codec}_{optimizer}", world):
+        assert run["group_is_none"]
+        for a, b in zip(run["uninterrupted"], run["resumed"]):
+            assert torch.equal(a, b), f"{codec} {optimizer}: the unpickled state's run diverged"
 
 
 def test_mismatched_codecs_fail_at_first_step(session):

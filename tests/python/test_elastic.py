@@ -2,7 +2,8 @@
 `torchrun --max-restarts=1` is restarted, the job resumes from each rank's checkpoint (model,
 optimizer, CompressionState; DDP's first iteration after the restart has its initial bucket
 layout, not the checkpoint's) and ends with exactly the parameters of an uninterrupted run; a rank
-that dies without restart makes the other fail with an error, not hang."""
+that dies without restart makes the other fail with an error, not hang; a restart at another world
+size continues, with a warning, from zero residuals."""
 
 import os
 import subprocess
@@ -39,6 +40,26 @@ def test_killed_rank_restarts_and_resumes_exactly(tmp_path, codec, optimizer):
     assert not (tmp_path / "plain" / "attempt1.rank0").exists()
     for a, b in zip(uninterrupted, resumed):
         assert torch.equal(a, b), f"{codec}: the resumed run's parameters differ"
+
+
+@pytest.mark.parametrize("codec,optimizer", [("int8", None), ("sign", "adamw")])
+@pytest.mark.parametrize("before,after", [(2, 3), (3, 2)])
+def test_restart_at_another_world_size_warns_and_drops_the_per_rank_state(tmp_path, codec, optimizer,
+                                                                         before, after):
+    """Checkpoints of `before` ranks loaded by `after` ranks: every rank warns naming both sizes and
+    trains on, exactly as from a fresh CompressionState at the saved step (no residual or moment of
+    the other world size is used, none has a wrong shape)."""
+    run_ranks(sc.world_change, before, str(tmp_path), codec, optimizer, "save", timeout=120)
+    run_ranks(sc.world_change, after, str(tmp_path), codec, optimizer, "load", timeout=120)
+    for r in range(after):
+        run = torch.load(tmp_path / f"world_{r}.pt", weights_only=False)
+        assert len(run["loaded_warnings"]) == 1 and not run["fresh_warnings"], run["loaded_warnings"]
+        assert f"world size {before}" in run["loaded_warnings"][0]
+        assert f"has {after} ranks" in run["loaded_warnings"][0]
+        for a, b in zip(run["loaded"], run["fresh"]):
+            assert torch.equal(a, b)
+        assert run["loaded_residuals"] and all(
+            v["residual"].numel() == v["layout"][0] for v in run["loaded_residuals"].values())
 
 
 def test_dead_rank_fails_the_others_with_an_error(tmp_path):

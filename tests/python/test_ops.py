@@ -146,6 +146,42 @@ def test_non_contiguous_raises_value_error():
         gradzip.decode_add(p, torch.zeros(20)[::2])
 
 
+SPARSE = {"torch.sparse_coo": torch.Tensor.to_sparse, "torch.sparse_csr": torch.Tensor.to_sparse_csr}
+
+
+def _sparse_calls(make):
+    """Every op and its out=/_into form, each with one argument made sparse by ``make``."""
+    x, res, n = torch.randn(4, 8), torch.zeros(4, 8), 32
+    p = gradzip.encode(x, "int8")
+    sp = lambda t: make(t.reshape(1, -1) if t.dim() == 1 else t)  # noqa: E731 (CSR needs 2-D)
+    out = torch.empty(gradzip.encoded_bytes(n, "int8"), dtype=torch.uint8)
+    return {
+        "encode input": lambda: gradzip.encode(sp(x), "int8"),
+        "encode_into input": lambda: gradzip.encode(sp(x), "int8", out=out),
+        "encode_into out": lambda: gradzip.encode(x, "int8", out=sp(out)),
+        "encode_with_feedback grad": lambda: gradzip.encode_with_feedback(sp(x), res, "int8"),
+        "encode_with_feedback residual": lambda: gradzip.encode_with_feedback(x, sp(res), "int8"),
+        "encode_with_feedback_into out":
+            lambda: gradzip.encode_with_feedback(x, res, "int8", out=sp(out)),
+        "decode payload": lambda: gradzip.decode(sp(p)),
+        "decode payload n": lambda: gradzip.decode(sp(p), n=n),
+        "decode_into out": lambda: gradzip.decode(p, out=sp(torch.zeros(n))),
+        "decode_add payload": lambda: gradzip.decode_add(sp(p), torch.zeros(n)),
+        "decode_add out": lambda: gradzip.decode_add(p, sp(torch.zeros(n))),
+        "header payload": lambda: gradzip.header(sp(p)),
+        "encode input, torch.ops": lambda: torch.ops.gradzip.encode(sp(x), "int8"),
+        "decode_add out, torch.ops": lambda: torch.ops.gradzip.decode_add(p, sp(torch.zeros(n))),
+    }
+
+
+@pytest.mark.parametrize("layout", SPARSE)
+def test_sparse_tensors_raise_value_error_naming_the_layout(layout):
+    for what, call in _sparse_calls(SPARSE[layout]).items():
+        with pytest.raises(ValueError, match=f"layout {layout}.*to_dense") as err:
+            call()
+        assert what.split()[0] in str(err.value), (what, err.value)
+
+
 def test_wrongly_placed_tensors_raise_value_error():
     with pytest.raises(ValueError, match="device"):
         gradzip.encode(torch.zeros(10, device="meta"), "int8")

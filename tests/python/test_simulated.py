@@ -199,3 +199,40 @@ def test_sign_blocks_restart_at_tensor_boundaries():
     torch.testing.assert_close(out.double(), want, rtol=1e-6, atol=0)
     small = out[1500:1596].abs()
     assert small.max() < 1e-2  # with blocks across the boundary it took the big tensor's scale
+
+
+@pytest.mark.parametrize("codec", ["int8", "sign", "topk:0.1"])
+def test_keys_make_the_state_follow_parameters_across_a_rebucketing(codec):
+    """A bucket of parameters a and b, then (as after DDP's rebuild) b and a in another order:
+    given parameter keys, the second step starts from each parameter's residual of the first,
+    as a simulation loaded with those residuals moved by hand; keyed by bucket (the default), the
+    residuals start over and the result differs."""
+    na, nb, world = 600, 300, 2
+    first, second = grads(world, na + nb, seed=1), grads(world, na + nb, seed=2)
+    keyed = SimulatedWorkers(codec, world)
+    keyed.reduce(first, numels=[na, nb], keys=["a", "b"])
+    saved = keyed.state_dict()
+    out = keyed.reduce(second, numels=[nb, na], keys=["b", "a"])
+
+    by_hand = SimulatedWorkers(codec, world)
+    for store in saved["workers"]:
+        res = store[0]["residual"]
+        store[0].update(layout=(na + nb, (("b", (nb,)), ("a", (na,)))),
+                        residual=torch.cat([res[na:], res[:na]]))
+    by_hand.load_state_dict(saved)
+    assert torch.equal(out, by_hand.reduce(second, numels=[nb, na], keys=["b", "a"]))
+
+    by_bucket = SimulatedWorkers(codec, world)
+    by_bucket.reduce(first, numels=[na, nb])
+    assert not torch.equal(out, by_bucket.reduce(second, numels=[nb, na]))
+
+
+def test_zero_size_tensors_carry_nothing():
+    """Zero-size tensors in a bucket (nn.Linear(n, 0)) change nothing: the same result and state
+    as the bucket without them."""
+    gs = grads(2, 500, seed=3)
+    with_zeros, without = SimulatedWorkers("int8", 2), SimulatedWorkers("int8", 2)
+    for _ in range(2):
+        a = with_zeros.reduce(gs, numels=[0, 200, 0, 300, 0])
+        assert torch.equal(a, without.reduce(gs, numels=[200, 300]))
+    assert torch.equal(with_zeros.residuals()[0], without.residuals()[0])

@@ -107,10 +107,14 @@ Layout = Tuple[int, Tuple[Tuple[object, Tuple[int, ...]], ...]]  # (n, ((key, sh
 
 
 def layout_numels(layout: Layout) -> List[int]:
-    """Element counts of a bucket's tensors, in buffer order (one tensor if the shapes are unknown)."""
+    """Element counts of a bucket's tensors as the reduction sees them, in buffer order (one tensor
+    if the shapes are unknown). Zero-size tensors are left out: they carry nothing, and a piece
+    boundary there would change nothing but the C++ layout's rule that pieces hold elements."""
     n, params = layout
     numels = [math.prod(shape) for _, shape in params]
-    return numels if numels and sum(numels) == n else [n]
+    if not numels or sum(numels) != n:
+        return [n]
+    return [m for m in numels if m > 0] or [n]
 
 
 def param_offsets(layout: Layout) -> dict:

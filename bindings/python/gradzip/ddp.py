@@ -19,6 +19,7 @@ rounding).
 
 import logging
 import os
+import warnings
 from typing import List, Optional
 
 import torch
@@ -213,6 +214,8 @@ class CompressionState(_ReducerState):
         self._ef = StateStore()
         self._keys = _ParameterKeys()
         self._resumed_step = None  # the step a checkpoint was loaded at (see _reduce_as_saved)
+        self._world = self._rank = None  # known at the first hook call
+        self._saved_world = None  # the world size a loaded checkpoint was saved at, if known
         if optimizer is not None:
             optimizer.attached = True
 
@@ -220,7 +223,8 @@ class CompressionState(_ReducerState):
     def state_dict(self) -> dict:
         self._commit()
         return {"version": _STATE_VERSION, "codec": self.config.codec, "step": self.step,
-                "error_feedback": self.config.error_feedback, "residuals": self._ef.state_dict()}
+                "error_feedback": self.config.error_feedback, "world_size": self._world,
+                "residuals": self._ef.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("version") != _STATE_VERSION:
@@ -233,6 +237,7 @@ class CompressionState(_ReducerState):
         self.step = int(state["step"])
         self._ef.load_state_dict(state["residuals"])
         self._resumed_step = self.step
+        self._saved_world = state.get("world_size")
 
     # -- pickling without the process group (as PowerSGDState) ----------------------------------
     def __getstate__(self):
@@ -242,6 +247,11 @@ class CompressionState(_ReducerState):
 
     def __setstate__(self, d):
         super().__setstate__(d)
+        # An unpickled state is a checkpoint: resumed as load_state_dict resumes one, on a model
+        # whose parameters it numbers afresh from the first iteration it sees.
+        self._keys = _ParameterKeys()
+        self._resumed_step = self.step
+        self._saved_world = d.get("_world")
         logger.info("gradzip: CompressionState unpickled; process_group set to the default group")
 
     # -- internals --------------------------------------------------------------------------------
@@ -255,7 +265,24 @@ class CompressionState(_ReducerState):
             self._runtime = torch.classes.gradzip.CompressedAllreduce(
                 reducing_group(group, device).group_name, self.config.codec, self._guard)
             self._world, self._rank = group.size(), group.rank()
+            self._drop_state_of_another_world()
         return self._runtime
+
+    def _drop_state_of_another_world(self) -> None:
+        """A checkpoint saved at another world size (an elastic restart with fewer or more ranks)
+        continues from zero residuals and moments: they are per rank (this rank's share of the
+        average, its shard of a bucket), and with another number of ranks they have no
+        counterpart. The step count is kept."""
+        saved, self._saved_world = self._saved_world, None
+        if saved is None or saved == self._world:
+            return
+        if self._ef.buckets:
+            warnings.warn(f"gradzip: the CompressionState checkpoint was saved with world size "
+                          f"{saved}, this process group has {self._world} ranks: its residuals "
+                          f"and optimizer moments are dropped (they are per rank); training "
+                          f"continues from zero residuals at step {self.step}", stacklevel=3)
+        self._ef = StateStore()
+        self._resumed_step = None
 
     def _reduce(self, index, bucket_view, x, layout, st, compressed):
         """Enqueues one reduction of ``x`` (the bucket's float32 values) in C++; returns its Future."""
@@ -306,24 +333,42 @@ def compress_hook(state: "CompressionState",
     state._setup(buf.device)
     if state._guard_step != state.step:
         state._commit()  # first bucket of a new step: the previous step is complete
-    cfg, world, rank = state.config, state._world, state._rank
-    layout = state._keys.layout(bucket, buf.numel())
-    resuming = cfg.keeps_state and state._resumed_step == state.step
-    cover = state._ef.covering(layout) if resuming else None
-    if cover is None:
-        compressed = cfg.compresses(state.step, buf.numel(), world)
-        st = cfg.bucket_state(state._ef, bucket.index(), layout, world, rank, buf.device)
-        # bf16/fp16 buckets are upcast for the codecs and the direction (the state is fp32)
-        keep = buf.dtype == torch.float32 or (not compressed and cfg.direction is None)
-        x = buf if keep else buf.float()
-        fut = state._reduce(bucket.index(), buf, x, layout, st, compressed)
-    else:
-        fut = _reduce_as_saved(state, buf, layout, cover)
+    # DDP gives a sparse gradient (nn.Embedding(sparse=True)) a bucket of its own
+    dense = buf.layout == torch.strided
+    fut = _reduce_dense(state, bucket, buf) if dense else _reduce_sparse(state, buf)
     if bucket.is_last():
         state._stats.end_step(state.step)
         state.step += 1
     # DDP reads a Python value from the hook's Future (as allreduce_hook's `then`).
     return fut.then(lambda f: f.value()[0])
+
+
+def _reduce_dense(state, bucket, buf):
+    cfg, world, rank = state.config, state._world, state._rank
+    layout = state._keys.layout(bucket, buf.numel())
+    resuming = cfg.keeps_state and state._resumed_step == state.step
+    cover = state._ef.covering(layout) if resuming else None
+    if cover is not None:
+        return _reduce_as_saved(state, buf, layout, cover)
+    compressed = cfg.compresses(state.step, buf.numel(), world)
+    st = cfg.bucket_state(state._ef, bucket.index(), layout, world, rank, buf.device)
+    # bf16/fp16 buckets are upcast for the codecs and the direction (the state is fp32)
+    keep = buf.dtype == torch.float32 or (not compressed and cfg.direction is None)
+    x = buf if keep else buf.float()
+    return state._reduce(bucket.index(), buf, x, layout, st, compressed)
+
+
+def _reduce_sparse(state, buf):
+    """A sparse gradient is averaged as DDP averages it without a hook (divided by the world size,
+    then the backend's sparse all-reduce on the state's group): uncompressed, no residual, the same
+    bits as plain DDP. The codecs and an optimizer direction need dense tensors."""
+    if state.config.direction is not None:
+        raise ValueError("gradzip: CompressionState(optimizer=...) computes the optimizer direction "
+                         "of dense gradients; this model has sparse gradients (an nn.Embedding or "
+                         "EmbeddingBag with sparse=True): use sparse=False, or torch's optimizer "
+                         "without optimizer=")
+    group = state._group()
+    return dist.all_reduce(buf / group.size(), group=group, async_op=True).get_future()
 
 
 def _reduce_as_saved(state, buf, layout, cover):
@@ -414,12 +459,13 @@ class SimulatedWorkers:
         if any(f.numel() != n or f.device != flats[0].device for f in flats):
             raise ValueError("gradzip: all gradients must have the same numel and device")
         numels = [n] if numels is None else [int(m) for m in numels]
-        if sum(numels) != n or any(m < 1 for m in numels):
+        if sum(numels) != n or any(m < 0 for m in numels):
             raise ValueError(f"gradzip: numels {numels} do not partition the {n} elements")
         keys = [(bucket_index, i) for i in range(len(numels))] if keys is None else list(keys)
         if len(keys) != len(numels) or len(set(keys)) != len(keys):
             raise ValueError(f"gradzip: keys must name each of the {len(numels)} tensors once")
         layout = (n, tuple((k, (m,)) for k, m in zip(keys, numels)))
+        numels = layout_numels(layout)  # as the hook: zero-size tensors carry nothing
         compressed = cfg.compresses(self.step, n, world)
         self._stats.add(cfg.plan, numels, world, 0, compressed)
         states = [cfg.bucket_state(self._ef[r], bucket_index, layout, world, r, flats[r].device)

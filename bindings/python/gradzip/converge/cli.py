@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+import signal
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -102,6 +103,12 @@ def _pool_job(job: tuple) -> tuple[int, dict]:
     return i, run_job(*rest)
 
 
+def _setup_worker(device: torch.device, threads: int) -> None:
+    # Ctrl-C reaches the whole process group: the parent alone handles it (and ends the pool)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    setup_process(device, threads)
+
+
 def run_all(configs: list[RunConfig], out: Path, device: torch.device, args) -> list[dict]:
     """Results in the order of ``configs``; trained seed by seed, so that consecutive jobs of a
     process share their data."""
@@ -111,18 +118,37 @@ def run_all(configs: list[RunConfig], out: Path, device: torch.device, args) -> 
         for i in order:
             results[i] = run_job(configs[i], out, device, args.quiet)
         return results
-    # spawn: each worker is a fresh interpreter, set up like this one (threads, CUDA flags)
+    # spawn: each worker is a fresh interpreter, set up like this one (threads, CUDA flags).
+    # On a terminal the workers' bars would overwrite each other: one line per finished run here;
+    # elsewhere the workers print their progress lines.
+    bars = sys.stdout.isatty()
     ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(args.jobs, setup_process, (device, args.threads)) as pool:
-        jobs = [(i, configs[i], out, device) for i in order]
+    pool = ctx.Pool(args.jobs, _setup_worker, (device, args.threads))
+    try:
+        jobs = [(i, configs[i], out, device, args.quiet or bars) for i in order]
         for i, res in pool.imap_unordered(_pool_job, jobs):
             results[i] = res
-            if not args.quiet:
+            if bars and not args.quiet:
                 print(f"{res['run']:>14} s{res['seed']}: done", file=sys.stderr)
+    finally:
+        # ended and joined here, also on Ctrl-C: a pool left to the interpreter's exit leaves its
+        # semaphores to the resource tracker's "leaked semaphore" warning
+        pool.terminate()
+        pool.join()
     return results
 
 
 def main(argv=None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        # Ctrl-C: each run's results and checkpoints are on disk as they were written
+        print("\ninterrupted: finished runs are kept; run the same command again to resume the "
+              "others from their last checkpoints", file=sys.stderr, flush=True)
+        return 130
+
+
+def _main(argv=None) -> int:
     args = parse_args(argv)
     if args.list:
         for s in SUITES.values():

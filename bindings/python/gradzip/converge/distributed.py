@@ -30,7 +30,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from .compression import _NEVER, BASELINE, MIN_COMPRESS_NUMEL
 from .output import Progress, clear_results, summarise, write_suite_json
 from .training import (RunConfig, RunFiles, batch_indices, data_key, eval_due, evaluate, finish,
-                       hook_optimizer, load_data, make_model, make_optimizer, shard_loss)
+                       hook_optimizer, load_data, log_eval, make_model, make_optimizer,
+                       shard_loss)
 
 
 def _broadcast(obj, src: int = 0):
@@ -139,7 +140,7 @@ def train_distributed(cfg: RunConfig, out: Path, data, device, strategy, progres
             if progress is not None:
                 progress(step + 1, loss_v)
             if metrics is not None:
-                files.log_eval(step + 1, metrics)
+                log_eval(files, progress, step + 1, metrics)
         if (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
             mine = {"gradzip": state.state_dict()}
             if run.sharded:

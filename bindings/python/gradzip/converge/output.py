@@ -18,19 +18,41 @@ from .training import RunConfig, RunFiles, read_jsonl
 
 
 class Progress:
+    """A run's progress: a tqdm bar where stdout is a terminal; elsewhere (a log file, a pipe, a
+    job scheduler) one line when the run starts, one per evaluation and one when it ends, so that a
+    long job shows it is alive without filling the log with bar redraws. Nothing when ``quiet``.
+    No tqdm object without a bar: its lock is a multiprocessing semaphore, which a pool worker
+    ended by Ctrl-C would leave to the resource tracker's "leaked semaphore" warning."""
+
     def __init__(self, cfg: RunConfig, quiet: bool):
-        tqdm = require("tqdm", "converge").tqdm
-        self.bar = tqdm(total=cfg.steps, desc=f"{cfg.name:>14} s{cfg.seed}", unit="step",
-                        disable=quiet,
-                        dynamic_ncols=True, file=sys.stderr)
+        self.name, self.total = f"{cfg.name:>14} s{cfg.seed}", cfg.steps
+        self.step, self.loss = 0, None
+        self.lines = not quiet and not sys.stdout.isatty()
+        self.bar = None
+        if not quiet and not self.lines:
+            self.bar = require("tqdm", "converge").tqdm(
+                total=cfg.steps, desc=self.name, unit="step", dynamic_ncols=True, file=sys.stderr)
+        self.say(f"training, {cfg.steps} steps")
+
+    def say(self, what: str) -> None:
+        if self.lines:
+            print(f"{self.name}: {what}", flush=True)
 
     def __call__(self, step: int, loss: float) -> None:
-        self.bar.n = step
-        self.bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
-        self.bar.refresh()
+        self.step, self.loss = step, loss
+        if self.bar is not None:
+            self.bar.n = step
+            self.bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+            self.bar.refresh()
+
+    def evaluated(self, step: int, metrics: dict) -> None:
+        self.say(f"step {step}/{self.total} loss {self.loss:.4f} AbsRel {metrics['abs_rel']:.4f}")
 
     def close(self) -> None:
-        self.bar.close()
+        if self.bar is not None:
+            self.bar.close()
+        if self.step == self.total:
+            self.say("done")
 
 
 def clear_results(out: Path) -> None:

@@ -221,6 +221,13 @@ def evaluate(model, cfg: RunConfig, test: dict, device, batch: int = 16) -> dict
     return acc.compute()
 
 
+def log_eval(files: "RunFiles", progress, done: int, metrics: dict) -> None:
+    """Records an evaluation, and shows it where the progress reporter shows evaluations."""
+    files.log_eval(done, metrics)
+    if hasattr(progress, "evaluated"):
+        progress.evaluated(done, metrics)
+
+
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
 
@@ -349,7 +356,7 @@ def train_simulated(cfg: RunConfig, out: Path, data: tuple[dict, dict], device: 
             if progress is not None:
                 progress(step + 1, loss_v)
             if eval_due(cfg, step + 1):
-                files.log_eval(step + 1, evaluate(model, cfg, test, device))
+                log_eval(files, progress, step + 1, evaluate(model, cfg, test, device))
             if (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
                 log.flush()
                 files.save_checkpoint({"step": step + 1, "wall_s": wall,

@@ -21,23 +21,50 @@ def make_sim(codec, world, warmup, betas=(0.9, 0.999), eps=1e-8, **kw):
 
 
 def test_against_a_float64_frozen_variance_adam():
-    """Lossless codec, 2 workers: AdamW of the mean gradient for the warm-up steps, then
-    m = b1 m + (1 - b1) mean(g) with v as it was at the end of the warm-up."""
+    """Lossless codec, 2 workers: AdamW of the mean gradient for the warm-up steps; then each
+    worker's b1 m + (1 - b1) g over the frozen denominator sqrt(v_hat) + eps, clipped to Adam's
+    largest step (1 - b1) / sqrt(1 - b2), averaged into m (times the denominator) with v as it was
+    at the end of the warm-up. Gradient scales span 1e-3..1e2, so some coordinates are clipped."""
     b1, b2, eps, n, warmup = 0.8, 0.95, 1e-6, 1001, 3
+    bound = (1 - b1) / (1 - b2) ** 0.5
     sim = make_sim("fp32", 2, warmup, betas=(b1, b2), eps=eps)
     g = torch.Generator().manual_seed(5)
     m = torch.zeros(n, dtype=torch.float64)
     v = torch.zeros(n, dtype=torch.float64)
+    clipped = 0
     for t in range(1, 9):
         grads = [torch.randn(n, generator=g) * 10.0 ** torch.randint(-3, 3, (n,), generator=g)
                  for _ in range(2)]
-        mean = (grads[0].double() + grads[1].double()) / 2
-        m = b1 * m + (1 - b1) * mean
         if t <= warmup:
+            mean = (grads[0].double() + grads[1].double()) / 2
+            m = b1 * m + (1 - b1) * mean
             v = b2 * v + (1 - b2) * mean ** 2
-        want = (m / (1 - b1 ** t)) / ((v / (1 - b2 ** min(t, warmup))).sqrt() + eps)
+            want = (m / (1 - b1 ** t)) / ((v / (1 - b2 ** t)).sqrt() + eps)
+        else:
+            denom = (v / (1 - b2 ** warmup)).sqrt() + eps
+            sent = [((b1 * m + (1 - b1) * x.double()) / denom) for x in grads]
+            clipped += sum(int((s.abs() > bound).sum()) for s in sent)
+            u = sum(s.clamp(-bound, bound) for s in sent) / 2
+            m = u * denom
+            want = u / (1 - b1 ** t)
         got = sim.reduce(grads)
         torch.testing.assert_close(got.double(), want, rtol=2e-5, atol=1e-6)
+    assert clipped > 0  # the clip is exercised
+
+
+def test_a_coordinate_silent_through_the_warmup_steps_at_most_adams_bound():
+    """v = 0 for a coordinate whose gradient was zero through the warm-up (a dead ReLU unit): its
+    first gradient after the freeze moves it by at most (1 - b1) / sqrt(1 - b2) (over the
+    momentum's bias correction), Adam's largest step, not by gradient / eps."""
+    warmup, steps = 40, 42
+    sim = make_sim("fp32", 2, warmup=warmup)
+    for step in range(steps):
+        g = torch.full((64,), 0.01)
+        g[7] = 5.0 if step >= warmup else 0.0
+        out = sim.reduce([g, g])
+    bound = 0.1 / 0.001 ** 0.5 / (1 - 0.9 ** steps)
+    assert bound / 2 < float(out[7]) <= bound * (1 + 1e-6)
+    assert float(out[0]) == pytest.approx(1.0, rel=0.05)  # a steady coordinate: Adam's unit step
 
 
 @pytest.mark.parametrize("codec", ["sign", "topk:0.05", "int8"])

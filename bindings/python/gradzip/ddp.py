@@ -104,7 +104,7 @@ class _Config:
         """Turns this rank's gradient ``x`` into what it sends for the optimizer, in place."""
         if self.direction is not None:
             st.updates += 1
-            self.direction.apply_(x, st.moments, st.updates, compressed)
+            self.direction.apply_(x, st.moments, st.updates, self.warmup_steps, compressed)
 
     def finish_direction(self, avg: torch.Tensor, st, compressed: bool) -> None:
         """Turns the average ``avg`` into what the optimizer applies, in place (after

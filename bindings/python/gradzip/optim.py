@@ -3,11 +3,12 @@ something linear in each rank's gradient, so that error feedback's guarantee hol
 
 ``FrozenVarianceAdamW`` (the 1-bit / 0/1 Adam family) keeps one Adam state, identical on every
 rank: while the compression warms up (``CompressionState(warmup_steps=N)``, N >= 1) the gradient is
-averaged exactly and m, v are updated from the average, as AdamW does; from then on each rank sends
-its candidate momentum ``b1 * m + (1 - b1) * g`` (linear in g), the compressed average becomes m,
-and v stays frozen at its value at the end of the warm-up. Buckets too small to compress keep
-running exact AdamW. Every rank updates m and v from the same averaged bits, so they stay
-bitwise identical.
+averaged exactly and m, v are updated from the average, as AdamW does; from then on v stays frozen
+at its value at the end of the warm-up and each rank sends its candidate momentum over the frozen
+denominator, ``(b1 * m + (1 - b1) * g) / (sqrt(v_hat) + eps)`` (linear in g, clipped to Adam's
+largest step), whose compressed average becomes m. Buckets too small to compress keep running
+exact AdamW. Every rank updates m and v from the same averaged bits, so they stay bitwise
+identical.
 
 ``CompressedAdamW`` and ``CompressedSGD`` are the older per-rank form: each rank computes its
 optimizer direction from its own gradient, and that direction is compressed and averaged.
@@ -75,12 +76,14 @@ class _Direction:
     one bucket: ``apply_`` turns the rank's gradient into what it sends, before the compressor;
     ``finish_`` turns the average into what ``opt.step()`` applies (``p -= lr * (x + wd * p)``).
     ``moments``: this rank's ``buffers`` state tensors of the bucket; ``t``: 1-based count of the
-    updates they have seen; ``compressed``: whether this step's bucket is compressed."""
+    updates they have seen; ``warmup_steps``: the compression's warm-up (CompressionState's);
+    ``compressed``: whether this step's bucket is compressed."""
 
     buffers = 0
     needs_warmup = False  # True: CompressionState's warmup_steps must be >= 1
 
-    def apply_(self, g: torch.Tensor, moments: list, t: int, compressed: bool) -> torch.Tensor:
+    def apply_(self, g: torch.Tensor, moments: list, t: int, warmup_steps: int,
+               compressed: bool) -> torch.Tensor:
         return g
 
     def finish_(self, avg: torch.Tensor, moments: list, t: int, warmup_steps: int,
@@ -101,7 +104,8 @@ class AdamDirection(_Direction):
             raise ValueError(f"gradzip.optim: eps must be > 0, got {eps}")
         self.betas, self.eps = (b1, b2), float(eps)
 
-    def apply_(self, g: torch.Tensor, moments: list, t: int, compressed: bool) -> torch.Tensor:
+    def apply_(self, g: torch.Tensor, moments: list, t: int, warmup_steps: int,
+               compressed: bool) -> torch.Tensor:
         m, v = moments
         b1, b2 = self.betas
         m.mul_(b1).add_(g, alpha=1.0 - b1)
@@ -123,7 +127,8 @@ class MomentumDirection(_Direction):
             raise ValueError(f"gradzip.optim: momentum must be in [0, 1), got {momentum}")
         self.momentum, self.nesterov = float(momentum), bool(nesterov)
 
-    def apply_(self, g: torch.Tensor, moments: list, t: int, compressed: bool) -> torch.Tensor:
+    def apply_(self, g: torch.Tensor, moments: list, t: int, warmup_steps: int,
+               compressed: bool) -> torch.Tensor:
         (u,) = moments
         u.mul_(self.momentum).add_(g)
         return g.add_(u, alpha=self.momentum) if self.nesterov else g.copy_(u)
@@ -134,7 +139,14 @@ class MomentumDirection(_Direction):
 
 class FrozenVarianceAdam(_Direction):
     """One Adam state of the averaged gradient, the same on every rank; past the warm-up, the
-    momentum is what is compressed and the variance is frozen (see the module's doc)."""
+    momentum is what is compressed and the variance is frozen (see the module's doc).
+
+    What a rank sends once compressing is its candidate momentum preconditioned by the frozen
+    denominator, ``(b1 * m + (1 - b1) * g) / (sqrt(v_hat) + eps)``: still linear in g (v no longer
+    changes), and O(1) in every coordinate, as the step it becomes. Sent in gradient units, a block
+    scale set by the block's large coordinates lands on a coordinate whose variance is tiny and,
+    divided by sqrt(v), becomes a step thousands of times too large (on the harness, sign diverged
+    to NaN within 20 steps of the freeze)."""
 
     buffers = 2
     needs_warmup = True  # v is measured on exactly averaged gradients before it freezes
@@ -150,24 +162,39 @@ class FrozenVarianceAdam(_Direction):
     def eps(self):
         return self._adam.eps
 
-    def apply_(self, g: torch.Tensor, moments: list, t: int, compressed: bool) -> torch.Tensor:
-        if compressed:  # this rank's candidate momentum, linear in its gradient
+    def _denominator(self, v: torch.Tensor, variance_updates: int) -> torch.Tensor:
+        return torch.div(v, 1.0 - self.betas[1] ** variance_updates).sqrt_().add_(self.eps)
+
+    @property
+    def step_bound(self) -> float:
+        """The largest step, in learning rates, that Adam takes on one coordinate: a first
+        gradient after a run of zeros, (1 - b1) / sqrt(1 - b2). With v frozen a coordinate whose
+        gradient grew past its warm-up variance (a unit behind a ReLU that rarely fires: v = 0)
+        would step its gradient / eps; Adam's v would have grown with it, so each rank's candidate
+        is clipped there (the harness diverged within 10 steps of the freeze without it)."""
+        b1, b2 = self.betas
+        return (1.0 - b1) / (1.0 - b2) ** 0.5
+
+    def apply_(self, g: torch.Tensor, moments: list, t: int, warmup_steps: int,
+               compressed: bool) -> torch.Tensor:
+        if compressed:  # this rank's candidate momentum, preconditioned: linear in its gradient
+            m, v = moments
             b1 = self.betas[0]
-            g.mul_(1.0 - b1).add_(moments[0], alpha=b1)
+            g.mul_(1.0 - b1).add_(m, alpha=b1)
+            g.div_(self._denominator(v, min(t, warmup_steps)))
+            g.clamp_(-self.step_bound, self.step_bound)
         return g
 
     def finish_(self, avg: torch.Tensor, moments: list, t: int, warmup_steps: int,
                 compressed: bool) -> torch.Tensor:
         m, v = moments
         b1, b2 = self.betas
-        if compressed:
-            m.copy_(avg)
-            variance_updates = min(t, warmup_steps)  # v froze when the compression started
-        else:  # AdamW on the exact average
-            m.mul_(b1).add_(avg, alpha=1.0 - b1)
-            v.mul_(b2).addcmul_(avg, avg, value=1.0 - b2)
-            variance_updates = t
-        torch.div(v, 1.0 - b2 ** variance_updates, out=avg).sqrt_().add_(self.eps)
+        if compressed:  # avg: the averaged momentum over the frozen denominator
+            m.copy_(avg).mul_(self._denominator(v, min(t, warmup_steps)))
+            return avg.div_(1.0 - b1 ** t)
+        m.mul_(b1).add_(avg, alpha=1.0 - b1)  # AdamW on the exact average
+        v.mul_(b2).addcmul_(avg, avg, value=1.0 - b2)
+        torch.div(v, 1.0 - b2 ** t, out=avg).sqrt_().add_(self.eps)
         return avg.reciprocal_().mul_(m).div_(1.0 - b1 ** t)
 
     def describe(self) -> str:

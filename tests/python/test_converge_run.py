@@ -211,8 +211,11 @@ def test_ctrl_c_keeps_finished_runs_and_exits_130_without_traceback(tmp_path):
     semaphores."""
     cmd = [sys.executable, "-m", "gradzip.converge", "--suite", "cpu-smoke", "--out", str(tmp_path),
            "--jobs", "2"]
+    # SIGINT at its default in the child: a test run from a background job inherits it ignored,
+    # and Python then installs no KeyboardInterrupt handler
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True)
+                         start_new_session=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert "training" in p.stdout.readline()  # a run has started in a worker
         os.killpg(p.pid, signal.SIGINT)

@@ -51,7 +51,8 @@ class _Config:
             direction = getattr(optimizer, "direction", None)
             if direction is None or not hasattr(direction, "apply_"):
                 raise TypeError("gradzip: optimizer must be a gradzip.optim optimizer "
-                                f"(CompressedAdamW, CompressedSGD), got {type(optimizer).__name__}")
+                                f"(FrozenVarianceAdamW, CompressedAdamW, CompressedSGD), got "
+                                f"{type(optimizer).__name__}")
             self.direction = direction
         if warmup_steps < 0 or min_compress_numel < 0:
             raise ValueError("gradzip: warmup_steps and min_compress_numel must be >= 0")
@@ -177,10 +178,11 @@ class CompressionState(_ReducerState):
             copy of the residuals per step (held until the step ends). The restore is applied at
             the next step's first hook call or by ``state_dict()``, on the device, without a host
             synchronisation.
-        optimizer: a gradzip.optim optimizer (CompressedAdamW, CompressedSGD): the hook then turns
-            each rank's gradient into that optimizer's direction (its moments kept here, with the
-            residuals) and averages the direction, which ``optimizer.step()`` applies. None: the
-            gradient itself is compressed (for torch's optimizers).
+        optimizer: a gradzip.optim optimizer (FrozenVarianceAdamW, which needs
+            ``warmup_steps >= 1``; CompressedAdamW, CompressedSGD): the hook then computes what
+            that optimizer sends around the collective (its moments kept here, with the residuals)
+            and leaves in the bucket what ``optimizer.step()`` applies. None: the gradient itself
+            is compressed (for torch's optimizers).
 
     The first hook call checks, with one small all-gather, that every rank uses the same
     configuration, and raises ``ValueError`` on all ranks naming the difference (instead of hanging

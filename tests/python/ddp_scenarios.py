@@ -93,6 +93,17 @@ def make_optimizer(name, params):
     return CompressedSGD(params, lr=0.05, momentum=0.9)
 
 
+def restored_model(saved: dict):
+    """A fresh model whose weights come from ``saved`` only (offset first, so that the seed's
+    initial weights cannot pass for a restored checkpoint)."""
+    model = make_model()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    model.load_state_dict(saved)
+    return model
+
+
 def make_ddp(model, cfg):
     return DDP(model, bucket_cap_mb=cfg.get("bucket_cap_mb", 0.004),
                static_graph=cfg.get("static_graph", False),
@@ -246,11 +257,7 @@ def checkpoint_resume_one(rank, world, outdir, codec):
 
     ckpt.seek(0)
     saved = torch.load(ckpt, weights_only=False)
-    model2 = make_model()
-    with torch.no_grad():
-        for p in model2.parameters():
-            p.add_(1.0)  # make sure the checkpoint, not the seed, restores the weights
-    model2.load_state_dict(saved["model"])
+    model2 = restored_model(saved["model"])
     ddp2, opt2 = setup(model2)
     opt2.load_state_dict(saved["opt"])
     state2 = CompressionState(codec, min_compress_numel=0)
@@ -305,11 +312,7 @@ def pickle_resume_one(rank, world, outdir, codec, optimizer):
 
     blob.seek(0)
     saved = torch.load(blob, weights_only=False)
-    model2 = make_model()
-    with torch.no_grad():
-        for p in model2.parameters():
-            p.add_(1.0)  # the checkpoint, not the seed, restores the weights
-    model2.load_state_dict(saved["model"])
+    model2 = restored_model(saved["model"])
     ddp2, opt2 = setup(model2)
     opt2.load_state_dict(saved["opt"])
     state2 = saved["hook"]

@@ -377,7 +377,8 @@ def finish(files: RunFiles, cfg: RunConfig, numel: int, wall: float) -> dict:
     if not evals or evals[-1]["step"] != cfg.steps:
         raise RuntimeError(f"{cfg.name}: no evaluation after the last step in {files.evals}")
     metrics = {k: evals[-1][k] for k in NAMES}
-    bytes_per_step = sum(r["bytes"] for r in recs) / len(recs)
+    total_bytes = sum(r["bytes"] for r in recs)
+    bytes_per_step = total_bytes / len(recs)
     raw_bytes = sum(r["raw_bytes"] for r in recs) / len(recs)
     # the ratio once compressing, beside compression_ratio's over the whole run (warm-up included)
     steady = recs[cfg.compress_warmup:] or recs
@@ -385,7 +386,7 @@ def finish(files: RunFiles, cfg: RunConfig, numel: int, wall: float) -> dict:
     codec_ms = [r["codec_ms"] for r in recs if r.get("codec_ms") is not None]
     res = {"run": cfg.name, "codec": canonical_codec(cfg.codec),
            "error_feedback": cfg.error_feedback, "seed": cfg.seed, "params": numel,
-           "bytes_per_step": bytes_per_step, "total_bytes": sum(r["bytes"] for r in recs),
+           "bytes_per_step": bytes_per_step, "total_bytes": total_bytes,
            "compression_ratio": raw_bytes / bytes_per_step, "steady_ratio": steady_ratio,
            "codec_ms": sum(codec_ms) / len(codec_ms) if codec_ms else None,
            "final_loss": sum(r["loss"] for r in recs[-10:]) / len(recs[-10:]),

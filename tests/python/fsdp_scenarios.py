@@ -211,6 +211,41 @@ def mismatched(rank, world, outdir, codecs):
         f.write(msg)
 
 
+def param_gather(rank, world, outdir, codecs):
+    """For each parameter codec (None: FSDP's own all-gather): the unsharded parameters each
+    Linear sees in its first forward, the exact ones (the shards, gathered uncompressed), the
+    all-gather traffic, and the full parameters after 3 AdamW steps. "bf16_params": the same with
+    FSDP gathering bf16 parameters (MixedPrecisionPolicy), int8 asked for."""
+    out = {}
+    runs = [(c, c) for c in codecs] + [("bf16_params", "int8:block=64"), ("bf16_params", None)]
+    for key, codec in runs:
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if key == "bf16_params" else None
+        model = make_model(policy)
+        seen = []
+
+        def capture(module, args):  # after FSDP's own pre-forward hook: unsharded parameters
+            seen.append([module.weight.detach().float().clone(), module.bias.detach().float().clone()])
+
+        handles = [m.register_forward_pre_hook(capture) for m in model if isinstance(m, nn.Linear)]
+        exact = full_params(model)
+        state = gradzip.fsdp.compress(model, "int8", param_codec=codec)
+        opt = make_optimizer("adamw", model.parameters())
+        for step in range(3):
+            opt.zero_grad()
+            loss_of(model, step, rank).backward()
+            opt.step()
+            if step == 0:
+                for h in handles:
+                    h.remove()
+        out[(key, codec)] = {"seen": [t for layer in seen[:3] for t in layer], "exact": exact,
+                             "traffic": state.all_gather_traffic, "final": full_params(model)}
+    try:
+        gradzip.fsdp.compress(make_model(), "int8", param_codec="sign")
+    except ValueError as e:
+        out["refused"] = str(e)
+    _save(outdir, "param_gather", rank, out)
+
+
 def session(rank, world, outdir, plan):
     """Runs several scenarios in one set of processes (spawning ranks costs seconds each)."""
     for name, args in plan:

@@ -18,6 +18,7 @@ TRAIN = ["bf16", "int8", "sign:block=64", "topk:0.1"]
 NONFINITE = ["bf16", "int8", "sign:block=64", "topk:0.1"]
 RESUME = ["int8", "topk:0.1"]
 MISMATCH = ["int8", "sign"]
+PARAM = [None, "bf16", "int8:block=64"]
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"world{w}")
@@ -26,7 +27,7 @@ def session(request, tmp_path_factory):
     world = request.param
     outdir = tmp_path_factory.mktemp(f"fsdp{world}")
     plan = [("step0", (STEP0,)), ("train", ([None] + TRAIN,)), ("nonfinite", (NONFINITE,)),
-            ("resume", (RESUME,)), ("async_call", ("int8",)),
+            ("resume", (RESUME,)), ("async_call", ("int8",)), ("param_gather", (PARAM,)),
             ("mismatched", (MISMATCH,))]  # last: it leaves a backward pass unfinished
     run_ranks(sc.session, world, str(outdir), plan, timeout=300)
     return world, outdir
@@ -117,3 +118,55 @@ def test_ranks_configured_differently_fail_with_value_error(session):
             msg = f.read()
         assert "configured differently" in msg, msg
         assert "int8" in msg and "sign" in msg and "rank 1" in msg
+
+
+def int8_bound(exact: torch.Tensor, world: int, block: int) -> torch.Tensor:
+    """Per element, half a quantisation step of its int8 block, in float64: FSDP's shard j of a
+    parameter is rows [j r, (j + 1) r) with r = ceil(rows / W), zero-padded, and its blocks of
+    ``block`` elements restart at each shard; a block's step is its largest |x| / 127."""
+    rows = exact.shape[0]
+    r = -(-rows // world)
+    flat = torch.zeros(world * r, *exact.shape[1:], dtype=torch.float64)
+    flat[:rows] = exact.double()
+    shards = flat.reshape(world, -1)
+    pad = (-shards.shape[1]) % block
+    blocks = torch.nn.functional.pad(shards, (0, pad)).reshape(world, -1, block)
+    step = blocks.abs().amax(dim=2, keepdim=True) / 127.0
+    half = (step / 2).expand_as(blocks).reshape(world, -1)[:, :shards.shape[1]]
+    return half.reshape(world * r, *exact.shape[1:])[:rows]
+
+
+def test_parameter_all_gather_in_a_codec(session):
+    """Every rank's forward sees the same unsharded parameters: bf16-rounded (torch's rounding) or
+    within half an int8 step of the exact ones, blocks restarting at each shard; FSDP's own
+    gather is untouched without a codec and for parameters already gathered in bf16; the bytes
+    fall as the codec says; training goes on with the replicas equal."""
+    world, outdir = session
+    runs = load(outdir, "param_gather", world)
+    for r, run in enumerate(runs):
+        for codec in PARAM:
+            res = run[(codec, codec)]
+            for got, exact in zip(res["seen"], res["exact"]):
+                if codec is None:
+                    assert torch.equal(got, exact)
+                elif codec == "bf16":
+                    assert torch.equal(got, exact.to(torch.bfloat16).float())
+                else:
+                    err = (got.double() - exact.double()).abs()
+                    assert (err <= int8_bound(exact, world, 64) * (1 + 1e-5) + 1e-30).all(), r
+                    assert not torch.equal(got, exact)
+            for a, b in zip(res["seen"], runs[0][(codec, codec)]["seen"]):
+                assert torch.equal(a, b), f"rank {r} {codec}: ranks saw different parameters"
+            for a, b in zip(res["final"], runs[0][(codec, codec)]["final"]):
+                assert torch.equal(a, b) and torch.isfinite(a).all()
+            t = res["traffic"]
+            if codec is None:
+                assert t["bytes_sent"] == t["raw_bytes"] == 0
+            else:
+                low, high = {"bf16": (1.9, 2.0), "int8:block=64": (3.0, 4.0)}[codec]
+                assert low <= t["compression_ratio"] <= high, (codec, t)
+        ours, theirs = run[("bf16_params", "int8:block=64")], run[("bf16_params", None)]
+        for a, b in zip(ours["seen"], theirs["seen"]):
+            assert torch.equal(a, b)
+        assert ours["traffic"]["compression_ratio"] == 1.0 and ours["traffic"]["bytes_sent"] > 0
+        assert "param_codec" in run["refused"] and "sign" in run["refused"]

@@ -38,6 +38,7 @@ from . import _ops  # noqa: F401  (loads the extension that defines torch.classe
 from ._groups import reducing_group, require_same_config
 from .collective import _tuplify
 from .ddp import _Config, _ReducerState
+from .param_gather import CompressedAllGather, param_codec as _param_codec
 
 __all__ = ["compress", "FSDPCompressionState", "CompressedReduceScatter"]
 
@@ -141,10 +142,15 @@ class FSDPCompressionState(_ReducerState):
     """
 
     def __init__(self, codec: str, error_feedback: bool = True, warmup_steps: int = 0,
-                 min_compress_numel: int = 4096, guard_nonfinite: bool = True):
+                 min_compress_numel: int = 4096, guard_nonfinite: bool = True,
+                 param_codec: Optional[str] = None):
         # the settings, their checks and the warm-up / small-group policy are the DDP hook's
         super().__init__(_Config(codec, error_feedback, warmup_steps, min_compress_numel,
                                  guard_nonfinite))
+        self.param_codec = None if param_codec is None else _param_codec(param_codec)
+        # the parameter all-gathers' bytes since construction (CompressedAllGather adds to it)
+        self._gather_traffic = {"bytes_sent": 0, "raw_bytes": 0}
+        self._config_checked = False
         self._params: Dict[int, Tuple[_Param, ...]] = {}  # per group index, set by compress()
         self._groups: Dict[int, _GroupState] = {}
         self._loaded: Dict[int, dict] = {}  # checkpointed groups not yet reduced in this process
@@ -154,7 +160,17 @@ class FSDPCompressionState(_ReducerState):
     def describe(self, world: int) -> str:
         groups = ",".join(f"{i}:{len(p)}:{sum(math.prod(q.size) for q in p)}"
                           for i, p in sorted(self._params.items()))
-        return f"{self.config.describe(world)} groups={groups}"
+        return (f"{self.config.describe(world)} param_codec={self.param_codec or 'none'} "
+                f"groups={groups}")
+
+    @property
+    def all_gather_traffic(self) -> dict:
+        """What this rank's parameter all-gathers sent since the state was made: ``bytes_sent``,
+        ``raw_bytes`` (FSDP's own all-gathers of the same inputs) and ``compression_ratio``; with
+        ``param_codec=None`` nothing is counted."""
+        t = dict(self._gather_traffic)
+        t["compression_ratio"] = t["raw_bytes"] / t["bytes_sent"] if t["bytes_sent"] else 1.0
+        return t
 
     # -- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -187,6 +203,7 @@ class FSDPCompressionState(_ReducerState):
     def __getstate__(self):
         d = super().__getstate__()
         d["_group_name"] = None
+        d["_config_checked"] = False
         return d
 
     # -- internals --------------------------------------------------------------------------------
@@ -195,9 +212,16 @@ class FSDPCompressionState(_ReducerState):
         self.step += 1
         self._reduced = set()
 
+    def _check_config(self, group, device) -> None:
+        """Once, before this process's first compressed collective (an all-gather or a
+        reduce-scatter): every rank's settings and parameter groups agree."""
+        if not self._config_checked:
+            require_same_config(self.describe(group.size()), group, device, "gradzip.fsdp")
+            self._config_checked = True
+
     def _setup(self, group, device) -> None:
         if self._runtime is None:
-            require_same_config(self.describe(group.size()), group, device, "gradzip.fsdp")
+            self._check_config(group, device)
             self._runtime = torch.classes.gradzip.CompressedAllreduce(
                 reducing_group(group, device).group_name, self.config.codec, self._guard)
             self._group_name = group.group_name
@@ -279,7 +303,7 @@ class FSDPCompressionState(_ReducerState):
 
 def compress(root: torch.nn.Module, codec: str, error_feedback: bool = True,
              warmup_steps: int = 0, min_compress_numel: int = 4096,
-             guard_nonfinite: bool = True) -> FSDPCompressionState:
+             guard_nonfinite: bool = True, param_codec: Optional[str] = None) -> FSDPCompressionState:
     """Installs a compressed reduce-scatter on every FSDP module under ``root`` (already wrapped
     with ``fully_shard``, ``root`` included) and returns their shared state.
 
@@ -292,9 +316,13 @@ def compress(root: torch.nn.Module, codec: str, error_feedback: bool = True,
             reduce-scatter (headers and latency dominate there).
         guard_nonfinite: when a reduced shard of a step holds Inf/NaN (an AMP overflow step,
             which GradScaler skips), every residual keeps its value of before the step.
+        param_codec: ``"bf16"``, ``"fp16"`` or ``"int8[:block=N]"``: FSDP's parameter all-gathers
+            send each rank's fp32 shard in this codec (gradzip.param_gather: no error feedback,
+            every rank decodes the same parameters, the sharded ones stay exact; shards FSDP
+            gathers in 16 bits already are sent as they are). None: FSDP's own all-gather.
     """
     state = FSDPCompressionState(codec, error_feedback, warmup_steps, min_compress_numel,
-                                 guard_nonfinite)
+                                 guard_nonfinite, param_codec)
     names = {id(p): n for n, p in root.named_parameters(remove_duplicate=False)}
     modules = [m for m in root.modules() if isinstance(m, FSDPModule)]
     if not modules:
@@ -309,5 +337,10 @@ def compress(root: torch.nn.Module, codec: str, error_feedback: bool = True,
                    int(p.fsdp_placement.dim))
             for k, p in enumerate(group.fsdp_params))
         module.set_custom_reduce_scatter(CompressedReduceScatter(state, index, group))
+        if state.param_codec is not None:
+            params = state._params[index]
+            module.set_custom_all_gather(CompressedAllGather(
+                state.param_codec, lambda world, params=params: _GroupLayout(world, params).chunks,
+                state._gather_traffic, state._check_config))
     return state
 

@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradzip.ddp import CompressionState, compress_hook
-from gradzip.optim import CompressedAdamW, CompressedSGD
+from gradzip.optim import CompressedSGD, FrozenVarianceAdamW
 
 IN, OUT = 20, 7
 
@@ -85,12 +85,23 @@ def recording_hook(records):
 
 def make_optimizer(name, params):
     """None: torch's SGD on the averaged gradient; "adamw"/"sgd": gradzip.optim's, whose
-    direction the hook compresses."""
+    update the hook computes."""
     if name is None:
         return torch.optim.SGD(params, lr=0.05, momentum=0.9)
     if name == "adamw":
-        return CompressedAdamW(params, lr=1e-3, weight_decay=0.01)
+        return FrozenVarianceAdamW(params, lr=1e-3, weight_decay=0.01)
     return CompressedSGD(params, lr=0.05, momentum=0.9)
+
+
+def warmup_for(name):
+    """FrozenVarianceAdamW measures its variance on uncompressed steps first: 2 of them, so that
+    a few-step scenario runs both phases."""
+    return 2 if name == "adamw" else 0
+
+
+def config_warmup(cfg):
+    """A train scenario's warm-up: its "warmup", else its optimizer's need."""
+    return cfg.get("warmup", warmup_for(cfg.get("optimizer")))
 
 
 def restored_model(saved: dict):
@@ -118,7 +129,7 @@ def train(rank, world, outdir, configs):
         ddp = make_ddp(model, cfg)
         opt = make_optimizer(cfg.get("optimizer"), model.parameters())
         state = CompressionState(cfg["codec"], min_compress_numel=cfg.get("min_numel", 32),
-                                 warmup_steps=cfg.get("warmup", 0),
+                                 warmup_steps=config_warmup(cfg),
                                  optimizer=None if cfg.get("optimizer") is None else opt)
         records = []
         ddp.register_comm_hook(state, recording_hook(records))
@@ -300,7 +311,7 @@ def pickle_resume_one(rank, world, outdir, codec, optimizer):
 
     model = make_model()
     ddp, opt = setup(model)
-    state = CompressionState(codec, min_compress_numel=0,
+    state = CompressionState(codec, min_compress_numel=0, warmup_steps=warmup_for(optimizer),
                              optimizer=None if optimizer is None else opt)
     ddp.register_comm_hook(state, compress_hook)
     run(ddp, opt, range(3))
@@ -335,7 +346,7 @@ def world_change(rank, world, outdir, codec, optimizer, phase):
 
     def setup(model):
         opt = make_optimizer(optimizer, model.parameters())
-        state = CompressionState(codec, min_compress_numel=0,
+        state = CompressionState(codec, min_compress_numel=0, warmup_steps=warmup_for(optimizer),
                                  optimizer=None if optimizer is None else opt)
         ddp = make_ddp(model, {})
         ddp.register_comm_hook(state, compress_hook)

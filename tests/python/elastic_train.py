@@ -38,6 +38,7 @@ def main():
     ddp = sc.make_ddp(model, {})
     opt = sc.make_optimizer(args.optimizer, model.parameters())
     state = CompressionState(args.codec, min_compress_numel=32,
+                             warmup_steps=sc.warmup_for(args.optimizer),
                              optimizer=None if args.optimizer is None else opt)
     ddp.register_comm_hook(state, compress_hook)
     ckpt = os.path.join(args.out, f"ckpt.rank{rank}.pt")

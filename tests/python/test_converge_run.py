@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from dist_util import free_port
-from gradzip.converge.training import (RunConfig, RunFiles, load_data, lr_factor, read_jsonl,
-                                       train_simulated)
+from gradzip.converge.training import (RunConfig, RunFiles, compress_warmup_steps, load_data,
+                                       lr_factor, optimizer_name, read_jsonl, train_simulated)
 
 TINY = RunConfig(model="vit-t14", image_size=28, workers=2, batch_per_worker=2, steps=8,
                  warmup_steps=2, train_scenes=8, test_scenes=4, checkpoint_every=3,
@@ -61,6 +61,33 @@ def test_interrupted_run_resumes_exactly(tmp_path):
     assert train_simulated(TINY, tmp_path / "b", data, torch.device("cpu")) == resumed
     other = replace(TINY, steps=4)
     assert train_simulated(other, tmp_path / "b", data, torch.device("cpu"))["config"]["steps"] == 4
+
+
+@pytest.mark.parametrize("codec,optimizer,warmup", [
+    ("sign", "frozen-variance-adamw", TINY.warmup_steps),
+    ("topk:0.01:values=fp16", "frozen-variance-adamw", TINY.warmup_steps),
+    ("int8", "adamw", 0), ("bf16", "adamw", 0), ("fp32", "adamw", 0)])
+def test_the_recipe_picks_the_optimizer_and_its_warmup(codec, optimizer, warmup):
+    """Under "recipe" the ~30x codecs train with FrozenVarianceAdamW, whose variance is measured
+    over the learning rate's warm-up; the others with AdamW on compressed gradients, compressed
+    from the first step. The run keeps its plain name; a warm-up set explicitly wins."""
+    cfg = replace(TINY, codec=codec)
+    assert (optimizer_name(cfg), compress_warmup_steps(cfg)) == (optimizer, warmup)
+    assert "+" not in cfg.name
+    assert compress_warmup_steps(replace(cfg, compress_warmup=5)) == 5
+
+
+def test_the_recipe_run_is_the_run_that_spells_it_out(tmp_path):
+    """cpu-default's sign run under the recipe trains exactly as cpu-recipes' run that names the
+    optimizer and warm-up."""
+    torch.set_num_threads(1)
+    recipe = replace(TINY, codec="sign")
+    spelled = replace(recipe, optimizer="frozen-variance-adamw", compress_warmup=TINY.warmup_steps)
+    data = load_data(recipe)
+    a = train_simulated(recipe, tmp_path / "a", data, torch.device("cpu"))
+    b = train_simulated(spelled, tmp_path / "b", data, torch.device("cpu"))
+    assert _losses(tmp_path / "a", recipe) == _losses(tmp_path / "b", spelled)
+    assert a["abs_rel"] == b["abs_rel"] and a["total_bytes"] == b["total_bytes"]
 
 
 def test_frozen_variance_run_counts_its_uncompressed_warmup(tmp_path):
@@ -238,12 +265,13 @@ def test_cli_errors_are_clear(tmp_path):
     assert r.returncode == 0 and "cpu-default" in r.stdout
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_distributed_modes_under_torchrun(tmp_path, strategy):
+@pytest.mark.parametrize("strategy,extra", [("ddp", []), ("fsdp", []),
+                                            ("fsdp", ["--param-codec", "int8"])])
+def test_distributed_modes_under_torchrun(tmp_path, strategy, extra):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-port", str(free_port()), "-m", "gradzip.converge", "--strategy", strategy,
            "--suite", "cpu-smoke",
-           "--out", str(tmp_path), "--steps", "4", "--quiet"]
+           "--out", str(tmp_path), "--steps", "4", "--quiet"] + extra
     # own session: on a timeout the whole group (torchrun and its ranks) is killed, not orphaned
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env=dict(os.environ, GLOO_SOCKET_IFNAME="lo"), start_new_session=True)
@@ -258,3 +286,5 @@ def test_distributed_modes_under_torchrun(tmp_path, strategy):
     with open(tmp_path / strategy / "summary.csv") as f:
         rows = {row["codec"]: row for row in csv.DictReader(f)}
     assert float(rows["int8"]["compression_ratio"]) > 3.5
+    if extra:  # the parameter codec is part of every run's name
+        assert rows["int8"]["run"] == "int8+params=int8", rows["int8"]["run"]

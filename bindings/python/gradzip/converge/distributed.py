@@ -29,9 +29,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .compression import _NEVER, BASELINE, MIN_COMPRESS_NUMEL
 from .output import Progress, clear_results, summarise, write_suite_json
-from .training import (RunConfig, RunFiles, batch_indices, data_key, eval_due, evaluate, finish,
-                       hook_optimizer, load_data, log_eval, make_model, make_optimizer,
-                       shard_loss)
+from .training import (RunConfig, RunFiles, batch_indices, compress_warmup_steps, data_key,
+                       eval_due, evaluate, finish, hook_optimizer, load_data, log_eval, make_model,
+                       make_optimizer, shard_loss)
 
 
 def _broadcast(obj, src: int = 0):
@@ -57,7 +57,7 @@ class _DDP:
         self.state = CompressionState(
             cfg.codec, error_feedback=cfg.error_feedback and not baseline,
             min_compress_numel=_NEVER if baseline else MIN_COMPRESS_NUMEL,
-            warmup_steps=cfg.compress_warmup, optimizer=hook_optimizer(self.opt))
+            warmup_steps=compress_warmup_steps(cfg), optimizer=hook_optimizer(self.opt))
         self.forward.register_comm_hook(self.state, compress_hook)
 
 
@@ -81,7 +81,8 @@ class _FSDP:
         self.state = gradzip.fsdp.compress(
             self.model, cfg.codec, error_feedback=cfg.error_feedback and not baseline,
             min_compress_numel=_NEVER if baseline else MIN_COMPRESS_NUMEL,
-            warmup_steps=cfg.compress_warmup)
+            warmup_steps=cfg.compress_warmup or 0,  # FSDP's optimizer is torch's AdamW
+            param_codec=cfg.param_codec)
 
 
 STRATEGIES = {"ddp": _DDP, "fsdp": _FSDP}

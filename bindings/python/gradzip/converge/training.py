@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from ..optim import CompressedAdamW, FrozenVarianceAdamW
+from ..optim import FrozenVarianceAdamW
 from ..optim import compresses_direction as recipe
 from .compression import BASELINE, Reducer, canonical_codec
 from .datasets import ProceduralDepth, materialize, open_dataset
@@ -53,7 +53,9 @@ class RunConfig:
     codec: str = BASELINE
     error_feedback: bool = True
     optimizer: str = "recipe"  # one of OPTIMIZERS, or "recipe": gradzip.optim.compresses_direction's
-    compress_warmup: int = 0  # the first steps uncompressed (exact fp32 averages, bytes counted)
+    compress_warmup: int | None = None  # the first steps uncompressed (exact fp32 averages, bytes
+    # counted); None: the optimizer's need (compress_warmup_steps)
+    param_codec: str | None = None  # FSDP only: its parameter all-gathers in this codec
     seed: int = 0
     data: str = "procedural"  # or nyu:FILE / kitti:DEPTH,RAW / folder:DIR
     train_scenes: int = 512  # procedural only
@@ -71,7 +73,8 @@ class RunConfig:
         name = codec if self.error_feedback or codec == BASELINE else f"{codec}-noef"
         if self.optimizer != "recipe":
             name += f"+{self.optimizer}"
-        return name + (f"+w{self.compress_warmup}" if self.compress_warmup else "")
+        name += f"+w{self.compress_warmup}" if self.compress_warmup is not None else ""
+        return name + (f"+params={self.param_codec}" if self.param_codec else "")
 
 
 def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -158,20 +161,28 @@ def make_model(cfg: RunConfig, device: torch.device) -> torch.nn.Module:
 
 # The optimizers a run can name; gradzip.optim's need the Reducer or CompressionState to be given
 # them (hook_optimizer). Betas and eps: AdamW's defaults for all.
-OPTIMIZERS = {"adamw": torch.optim.AdamW, "compressed-adamw": CompressedAdamW,
-              "frozen-variance-adamw": FrozenVarianceAdamW}
+OPTIMIZERS = {"adamw": torch.optim.AdamW, "frozen-variance-adamw": FrozenVarianceAdamW}
 
 
 def optimizer_name(cfg: RunConfig) -> str:
     """The run's optimizer; "recipe" resolves to gradzip.optim.compresses_direction's choice for
-    the codec under AdamW (CompressedAdamW where it compresses the direction)."""
+    the codec under AdamW (FrozenVarianceAdamW where it is a gradzip.optim optimizer)."""
     if cfg.optimizer != "recipe":
         if cfg.optimizer not in OPTIMIZERS:
             raise ValueError(f"unknown optimizer {cfg.optimizer!r}; known: recipe, "
                              f"{', '.join(OPTIMIZERS)}")
         return cfg.optimizer
     direction = canonical_codec(cfg.codec) != BASELINE and recipe(cfg.codec, "adamw")
-    return "compressed-adamw" if direction else "adamw"
+    return "frozen-variance-adamw" if direction else "adamw"
+
+
+def compress_warmup_steps(cfg: RunConfig) -> int:
+    """The run's uncompressed first steps: ``compress_warmup`` where set; else, for an optimizer
+    that measures its variance before freezing it, the learning rate's warm-up (where 0/1 Adam
+    freezes it: the variance has settled by then), and none for the others."""
+    if cfg.compress_warmup is not None:
+        return cfg.compress_warmup
+    return cfg.warmup_steps if optimizer_name(cfg) == "frozen-variance-adamw" else 0
 
 
 def hook_optimizer(opt):
@@ -316,7 +327,7 @@ def train_simulated(cfg: RunConfig, out: Path, data: tuple[dict, dict], device: 
     opt, sched = make_optimizer(cfg, model)
     reducer = Reducer(cfg.codec, cfg.workers, cfg.error_feedback,
                       param_numels=[p.numel() for p in params], bucket_cap_mb=cfg.bucket_cap_mb,
-                      warmup_steps=cfg.compress_warmup, optimizer=hook_optimizer(opt))
+                      warmup_steps=compress_warmup_steps(cfg), optimizer=hook_optimizer(opt))
     start, wall = 0, 0.0
     if (state := files.load_checkpoint()) is not None:
         model.load_state_dict(state["model"])
@@ -381,7 +392,7 @@ def finish(files: RunFiles, cfg: RunConfig, numel: int, wall: float) -> dict:
     bytes_per_step = total_bytes / len(recs)
     raw_bytes = sum(r["raw_bytes"] for r in recs) / len(recs)
     # the ratio once compressing, beside compression_ratio's over the whole run (warm-up included)
-    steady = recs[cfg.compress_warmup:] or recs
+    steady = recs[compress_warmup_steps(cfg):] or recs
     steady_ratio = sum(r["raw_bytes"] for r in steady) / sum(r["bytes"] for r in steady)
     codec_ms = [r["codec_ms"] for r in recs if r.get("codec_ms") is not None]
     res = {"run": cfg.name, "codec": canonical_codec(cfg.codec),

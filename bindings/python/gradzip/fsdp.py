@@ -38,6 +38,7 @@ from . import _ops  # noqa: F401  (loads the extension that defines torch.classe
 from ._groups import reducing_group, require_same_config
 from .collective import _tuplify
 from .ddp import _Config, _ReducerState
+from .wire import MIN_COMPRESS_NUMEL
 
 __all__ = ["compress", "FSDPCompressionState", "CompressedReduceScatter"]
 
@@ -141,7 +142,7 @@ class FSDPCompressionState(_ReducerState):
     """
 
     def __init__(self, codec: str, error_feedback: bool = True, warmup_steps: int = 0,
-                 min_compress_numel: int = 4096, guard_nonfinite: bool = True):
+                 min_compress_numel: int = MIN_COMPRESS_NUMEL, guard_nonfinite: bool = True):
         # the settings, their checks and the warm-up / small-group policy are the DDP hook's
         super().__init__(_Config(codec, error_feedback, warmup_steps, min_compress_numel,
                                  guard_nonfinite))
@@ -278,7 +279,7 @@ class FSDPCompressionState(_ReducerState):
 
 
 def compress(root: torch.nn.Module, codec: str, error_feedback: bool = True,
-             warmup_steps: int = 0, min_compress_numel: int = 4096,
+             warmup_steps: int = 0, min_compress_numel: int = MIN_COMPRESS_NUMEL,
              guard_nonfinite: bool = True) -> FSDPCompressionState:
     """Installs a compressed reduce-scatter on every FSDP module under ``root`` (already wrapped
     with ``fully_shard``, ``root`` included) and returns their shared state.

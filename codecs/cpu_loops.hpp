@@ -368,14 +368,7 @@ size_t topk_emit_loop(const float* __restrict g, float* __restrict r, float p, s
         --ties;
       }
       idx[kept] = base + static_cast<uint32_t>(s + i);
-      float decoded = c[i];
-      if (fp16_values) {
-        const uint16_t h = el::float_to_fp16(c[i]);
-        static_cast<uint16_t*>(values)[kept] = h;
-        decoded = el::fp16_to_float(h);
-      } else {
-        static_cast<float*>(values)[kept] = c[i];
-      }
+      const float decoded = el::topk_put_value(values, kept, c[i], fp16_values);
       if constexpr (EF) r[s + i] = el::ef_residual(c[i], decoded, old[i]);
       ++kept;
     });
@@ -450,7 +443,7 @@ void topk_residual(EncodeArgs a, size_t n, uint32_t base, const uint32_t* __rest
     for (; j < kept_count && kept[j] - base < s + m; ++j) {
       const size_t i = kept[j] - base - s;
       const float c = el::ef_input(g[s + i], p, old[i]);
-      const float decoded = fp16_values ? el::fp16_to_float(el::float_to_fp16(c)) : c;
+      const float decoded = el::topk_value_decoded(c, fp16_values);
       r[s + i] = el::ef_residual(c, decoded, old[i]);
     }
   }

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "detail.hpp"
+#include "encode_check.hpp"
 #include "gradzip/gradzip.hpp"
 #include "parallel.hpp"
 #include "pointer_check.hpp"
@@ -24,17 +25,10 @@ void encode_impl(const Codec& codec, detail::EncodeArgs a, size_t n, void* out, 
   detail::require_host_pointer(a.residual, "residual");
   detail::require_host_pointer(out, "out");
   detail::require_host_pointer(workspace, "workspace");
-  const size_t need = codec.encoded_bytes(n);  // also range-checks n
-  if (out == nullptr) bad_arg("out is null");
-  if (reinterpret_cast<uintptr_t>(out) % 4 != 0) bad_arg("out must be 4-byte aligned");
-  if (n > 0 && a.grad == nullptr) bad_arg("grad is null");
-  if (out_bytes < need)
-    bad_arg("output buffer too small: " + std::to_string(out_bytes) + " bytes, " + codec.name() +
-            " needs " + std::to_string(need) + " for n=" + std::to_string(n));
   const size_t ws_need = codec.workspace_bytes(n);
-  if (workspace_bytes < ws_need || (ws_need > 0 && workspace == nullptr))
-    bad_arg("workspace too small: " + std::to_string(workspace_bytes) + " bytes, " + codec.name() +
-            " needs " + std::to_string(ws_need) + " for n=" + std::to_string(n));
+  detail::check_encode_args("gradzip", codec, a.grad, n, out, out_bytes, workspace, workspace_bytes,
+                            ws_need);
+  if (reinterpret_cast<uintptr_t>(out) % 4 != 0) bad_arg("out must be 4-byte aligned");
   if (ws_need > 0 && reinterpret_cast<uintptr_t>(workspace) % 4 != 0)
     bad_arg("workspace must be 4-byte aligned");
 
@@ -89,6 +83,25 @@ void encode_impl(const Codec& codec, detail::EncodeArgs a, size_t n, void* out, 
 }
 
 }  // namespace
+
+void detail::check_encode_args(const char* api, const Codec& codec, const float* in, size_t n,
+                               const void* out, size_t out_bytes, const void* workspace,
+                               size_t workspace_bytes, size_t ws_need) {
+  auto fail = [&](const std::string& why) {
+    throw Error(Status::invalid_argument, std::string(api) + ": " + why);
+  };
+  const size_t need = codec.encoded_bytes(n);  // also range-checks n
+  if (n > 0 && in == nullptr) fail("input is null");
+  if (out == nullptr) fail("output is null");
+  const std::string for_n = ", " + codec.name() + " needs ";
+  if (out_bytes < need)
+    fail("output buffer too small: " + std::to_string(out_bytes) + " bytes" + for_n +
+         std::to_string(need) + " for n=" + std::to_string(n));
+  if (ws_need > 0 && (workspace == nullptr || workspace_bytes < ws_need))
+    fail("workspace too small: " + std::to_string(workspace == nullptr ? 0 : workspace_bytes) +
+         " bytes" + for_n + std::to_string(ws_need) + " for n=" + std::to_string(n) +
+         " (Codec::workspace_bytes)");
+}
 
 void Codec::encode(const float* in, size_t n, void* out, size_t out_bytes, float prescale,
                    void* workspace, size_t workspace_bytes) const {

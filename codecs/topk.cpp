@@ -197,9 +197,7 @@ bool sampled_topk(Plan& p) {
         --ties;
       }
       p.idx[o] = pidx[j];
-      const float v = el::bits_float(bits[j]);
-      if (p.fp16_values) static_cast<uint16_t*>(p.values)[o] = el::float_to_fp16(v);
-      else static_cast<float*>(p.values)[o] = v;
+      el::topk_put_value(p.values, o, el::bits_float(bits[j]), p.fp16_values);
       ++o;
     }
   });

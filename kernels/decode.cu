@@ -119,8 +119,7 @@ __global__ void __launch_bounds__(kThreads)
   const bool fp16 = (h.flags & kTopkFlagFp16Values) != 0;
   for (uint64_t j = static_cast<uint64_t>(blockIdx.x) * kThreads + threadIdx.x; j < k;
        j += static_cast<uint64_t>(gridDim.x) * kThreads) {
-    const float v = fp16 ? el::fp16_to_float(reinterpret_cast<const uint16_t*>(values)[j])
-                         : reinterpret_cast<const float*>(values)[j];
+    const float v = el::topk_get_value(values, j, fp16);
     float& o = out[idx[j]];
     o = Add ? o + v : v;
   }

@@ -263,14 +263,7 @@ __global__ void __launch_bounds__(kThreads)
         }
         if (keep && pos < k) {  // pos < k always holds; the guard keeps a racing input in bounds
           idx[pos] = static_cast<uint32_t>(i + j);
-          if (fp16_values) {
-            const uint16_t h = el::float_to_fp16(c[j]);
-            reinterpret_cast<uint16_t*>(values)[pos] = h;
-            decoded = el::fp16_to_float(h);
-          } else {
-            reinterpret_cast<float*>(values)[pos] = c[j];
-            decoded = c[j];
-          }
+          decoded = el::topk_put_value(values, pos, c[j], fp16_values);
         }
       }
       nr[j] = el::ef_residual(c[j], decoded, r[j]);

@@ -35,4 +35,7 @@ if [[ ! -f "$venv/.complete" ]]; then
   "$venv/bin/python" -m pip install -q -r "$req" >&2
   touch "$venv/.complete"
 fi
+# Tools only the checks use, kept out of requirements.txt so that adding one does not rebuild the
+# venv (named after that file's hash). A pinned version already there costs no download.
+"$venv/bin/python" -m pip install -q "ruff==0.17.5" >&2
 echo "$venv"

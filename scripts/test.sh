@@ -3,6 +3,7 @@
 # what CI runs (.ci/run).
 #   bash scripts/test.sh
 # Stages:
+#   0. ruff over the Python (pyproject.toml's [tool.ruff])
 #   1. C++ build (CUDA kernels compiled for sm_80/sm_90 when nvcc is present, warnings as errors)
 #      and CTest: CPU codec properties, exhaustive casts, corrupt payloads; GPU tests skip (77)
 #      without a GPU
@@ -21,6 +22,9 @@ jobs=$(nproc)
 build=${GRADZIP_BUILD_DIR:-build/test}
 t0=$SECONDS
 stage() { echo; echo "== [$((SECONDS - t0)) s] $*"; }
+
+stage "Python: ruff check (rules in pyproject.toml)"
+ruff check .
 
 stage "C++: configure, build, CTest"
 cmake --preset release -B "$build" >/dev/null  # the build trees' settings: CMakePresets.json

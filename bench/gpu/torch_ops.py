@@ -58,8 +58,8 @@ def main():
                 return x.gather(0, idx)
 
             rows.append({"op": "topk_gather", "n": n, "ratio": ratio, "ms": time_ms(topk_gather)})
-        rows.append({"op": "to_bf16", "n": n, "ratio": None, "ms": time_ms(lambda: x.to(torch.bfloat16))})
-        rows.append({"op": "pertensor", "n": n, "ratio": None, "ms": time_ms(lambda: pertensor(x))})
+        rows.append({"op": "to_bf16", "n": n, "ratio": None, "ms": time_ms(lambda x=x: x.to(torch.bfloat16))})
+        rows.append({"op": "pertensor", "n": n, "ratio": None, "ms": time_ms(lambda x=x: pertensor(x))})
         del x
         torch.cuda.empty_cache()
         print(json.dumps(rows[-4:]), flush=True)

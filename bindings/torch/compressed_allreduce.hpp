@@ -76,7 +76,6 @@ class CompressedAllreduce : public torch::CustomClassHolder {
 
   int64_t world() const { return group_->getSize(); }
   int64_t rank() const { return group_->getRank(); }
-  const Codec& codec() const { return codec_; }
 
  private:
   // The CPU path's job queue, shared with its thread. The thread is detached, not joined, when the

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "../../kernels/launch.hpp"
+#include "../encode_check.hpp"
 #include "workspace.hpp"
 
 namespace gradzip {
@@ -68,22 +69,14 @@ int sm_count() {
 void encode_impl(const Codec& codec, const float* grad, float* residual, size_t n, void* out,
                  size_t out_bytes, cudaStream_t stream, float prescale, void* workspace,
                  size_t workspace_bytes) {
-  const size_t need = codec.encoded_bytes(n);  // range checks (count, top-k 32-bit indices)
-  if (out_bytes < need)
-    throw Error(Status::invalid_argument, "gradzip::cuda: output buffer of " +
-                                              std::to_string(out_bytes) + " bytes, the encoding needs " +
-                                              std::to_string(need));
+  const CodecSpec& spec = codec.spec();
+  const size_t ws_need = detail::cuda_workspace_bytes(spec, n);
+  detail::check_encode_args("gradzip::cuda", codec, grad, n, out, out_bytes, workspace,
+                            workspace_bytes, ws_need);
   require_device_pointer(grad, "input", n == 0);
   if (residual != nullptr) require_device_pointer(residual, "residual");
   require_device_pointer(out, "output");
-  const CodecSpec& spec = codec.spec();
-  const size_t ws_need = detail::cuda_workspace_bytes(spec, n);
   if (ws_need > 0) {
-    if (workspace == nullptr || workspace_bytes < ws_need)
-      throw Error(Status::invalid_argument,
-                  "gradzip::cuda: " + codec.name() + " needs a device workspace of " +
-                      std::to_string(ws_need) + " bytes (Codec::workspace_bytes), got " +
-                      std::to_string(workspace == nullptr ? 0 : workspace_bytes));
     require_device_pointer(workspace, "workspace");
     if (!aligned(workspace, 16))
       throw Error(Status::invalid_argument, "gradzip::cuda: workspace must be 16-byte aligned");

@@ -189,6 +189,24 @@ GZ_HD uint32_t topk_key(float x) { return abs_bits(x); }
 constexpr int kTopkDigitShift[3] = {21, 10, 0};
 constexpr uint32_t kTopkDigitMask[3] = {0x7FFu, 0x7FFu, 0x3FFu};
 constexpr int kTopkRadix = 2048;  // histogram size of the widest digit
+// Values on the wire: the kept c as f32, or (values=fp16) as Fp16Cast rounds it. topk_put_value
+// writes slot j and returns what it decodes to (error feedback keeps c minus that).
+GZ_HD float topk_put_value(void* values, uint64_t j, float c, bool fp16) {
+  if (fp16) {
+    const Fp16Cast::Wire h = Fp16Cast::encode(c);
+    static_cast<Fp16Cast::Wire*>(values)[j] = h;
+    return Fp16Cast::decode(h);
+  }
+  static_cast<float*>(values)[j] = c;
+  return c;
+}
+GZ_HD float topk_value_decoded(float c, bool fp16) {
+  return fp16 ? Fp16Cast::decode(Fp16Cast::encode(c)) : c;
+}
+GZ_HD float topk_get_value(const void* values, uint64_t j, bool fp16) {
+  return fp16 ? Fp16Cast::decode(static_cast<const Fp16Cast::Wire*>(values)[j])
+              : static_cast<const float*>(values)[j];
+}
 
 // ---- error feedback -------------------------------------------------------------------------
 // c = grad * prescale + residual (two roundings, no fma); after encoding, the new residual is

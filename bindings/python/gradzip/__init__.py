@@ -15,10 +15,14 @@ from __future__ import annotations
 
 import glob
 import os
+from importlib import metadata
 
 import torch
 
-__version__ = "0.1.0"
+try:
+    __version__ = metadata.version("gradzip")  # CMakeLists.txt's project VERSION (pyproject.toml)
+except metadata.PackageNotFoundError:  # a source checkout on sys.path, never installed
+    __version__ = "0+unknown"
 
 
 class _MissingOps:

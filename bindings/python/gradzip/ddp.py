@@ -29,6 +29,7 @@ from . import _ops  # noqa: F401  (loads the extension that defines torch.classe
 from ._groups import reducing_group, require_same_config
 from .collective import (CodecPlan, StateStore, TrafficStats, layout_numels, param_offsets,
                          run_simulated, shard_bounds)
+from .wire import MIN_COMPRESS_NUMEL
 
 __all__ = ["CompressionState", "compress_hook", "SimulatedWorkers"]
 
@@ -208,7 +209,7 @@ class CompressionState(_ReducerState):
     """
 
     def __init__(self, codec: str, process_group=None, error_feedback: bool = True,
-                 warmup_steps: int = 0, min_compress_numel: int = 4096,
+                 warmup_steps: int = 0, min_compress_numel: int = MIN_COMPRESS_NUMEL,
                  guard_nonfinite: bool = True, optimizer=None):
         super().__init__(_Config(codec, error_feedback, warmup_steps, min_compress_numel,
                                  guard_nonfinite, optimizer))
@@ -415,7 +416,7 @@ class SimulatedWorkers:
     """
 
     def __init__(self, codec: str, world_size: int, error_feedback: bool = True,
-                 warmup_steps: int = 0, min_compress_numel: int = 4096, guard_nonfinite: bool = True,
+                 warmup_steps: int = 0, min_compress_numel: int = MIN_COMPRESS_NUMEL, guard_nonfinite: bool = True,
                  optimizer=None):
         if int(world_size) < 1:
             raise ValueError(f"gradzip: world_size must be >= 1, got {world_size}")

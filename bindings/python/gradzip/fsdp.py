@@ -39,6 +39,7 @@ from ._groups import reducing_group, require_same_config
 from .collective import _tuplify
 from .ddp import _Config, _ReducerState
 from .param_gather import CompressedAllGather, param_codec as _param_codec
+from .wire import MIN_COMPRESS_NUMEL
 
 __all__ = ["compress", "FSDPCompressionState", "CompressedReduceScatter"]
 
@@ -142,7 +143,7 @@ class FSDPCompressionState(_ReducerState):
     """
 
     def __init__(self, codec: str, error_feedback: bool = True, warmup_steps: int = 0,
-                 min_compress_numel: int = 4096, guard_nonfinite: bool = True,
+                 min_compress_numel: int = MIN_COMPRESS_NUMEL, guard_nonfinite: bool = True,
                  param_codec: Optional[str] = None):
         # the settings, their checks and the warm-up / small-group policy are the DDP hook's
         super().__init__(_Config(codec, error_feedback, warmup_steps, min_compress_numel,
@@ -302,8 +303,9 @@ class FSDPCompressionState(_ReducerState):
 
 
 def compress(root: torch.nn.Module, codec: str, error_feedback: bool = True,
-             warmup_steps: int = 0, min_compress_numel: int = 4096,
-             guard_nonfinite: bool = True, param_codec: Optional[str] = None) -> FSDPCompressionState:
+             warmup_steps: int = 0, min_compress_numel: int = MIN_COMPRESS_NUMEL,
+             guard_nonfinite: bool = True,
+             param_codec: Optional[str] = None) -> FSDPCompressionState:
     """Installs a compressed reduce-scatter on every FSDP module under ``root`` (already wrapped
     with ``fully_shard``, ``root`` included) and returns their shared state.
 

@@ -1,5 +1,6 @@
-"""The wire format's sizes in plain Python: what the cost model needs when the compiled extension
-is absent (``python -m gradzip.costmodel`` on a machine without it).
+"""The wire format's sizes in plain Python, and the smallest bucket compressed by default: what the
+cost model needs when the compiled extension is absent (``python -m gradzip.costmodel`` on a
+machine without it).
 
 The rules are include/gradzip/wire.hpp's (the C++ library, the CUDA decoders and the extension's
 ``encoded_bytes`` all use that one definition); this is their only Python copy, and
@@ -18,6 +19,10 @@ MIN_BLOCK, MAX_BLOCK = 32, 65536
 DEFAULT_INT8_BLOCK = 256
 DEFAULT_SIGN_BLOCK = 1024
 KINDS = ("fp32", "fp16", "bf16", "int8", "sign", "topk")
+# Buckets (DDP) and reduce-scatter groups (FSDP) below this many elements go uncompressed by
+# default: there the headers and launches cost more than the bytes saved. gradzip.ddp, gradzip.fsdp
+# and the cost model take it from here.
+MIN_COMPRESS_NUMEL = 4096
 
 
 def valid_block(block: int) -> bool:

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import torch
 
+from ..wire import MIN_COMPRESS_NUMEL  # CompressionState's default: tiny buckets stay uncompressed
+
 BASELINE = "fp32"
-MIN_COMPRESS_NUMEL = 4096  # CompressionState's default: tiny buckets are not worth a header
 _NEVER = 1 << 62
 FIRST_BUCKET_BYTES = 1 << 20  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
 

@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .compression import _NEVER, BASELINE, MIN_COMPRESS_NUMEL
+from ..wire import MIN_COMPRESS_NUMEL
+from .compression import _NEVER, BASELINE
 from .output import Progress, clear_results, summarise, write_suite_json
 from .training import (RunConfig, RunFiles, batch_indices, compress_warmup_steps, data_key,
                        eval_due, evaluate, finish, hook_optimizer, load_data, log_eval, make_model,

@@ -39,7 +39,6 @@ from gradzip import wire
 
 # Hook names the benchmark uses that are not gradzip codec specs: PyTorch's all-reduce hooks.
 TORCH_HOOKS = {"none": "fp32", "allreduce": "fp32", "torch-fp16": "fp16", "torch-bf16": "bf16"}
-GRADZIP_MIN_COMPRESS_NUMEL = 4096  # gradzip.ddp.CompressionState's default
 
 
 @dataclass(frozen=True)
@@ -294,7 +293,7 @@ def powersgd_plan(shapes: Iterable[Shape], rank: int, min_compression_rate: floa
 
 def bucket_cost(codec: Codec, shapes: Sequence[Shape], p: int, link: Link,
                 speed: CodecSpeed | None = None,
-                min_compress_numel: int = GRADZIP_MIN_COMPRESS_NUMEL) -> Cost:
+                min_compress_numel: int = wire.MIN_COMPRESS_NUMEL) -> Cost:
     """Communication plus codec compute for one bucket holding tensors of the given shapes."""
     n = sum(numel(s) for s in shapes)
     c = codec.collective

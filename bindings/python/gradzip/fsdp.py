@@ -142,9 +142,10 @@ class FSDPCompressionState(_ReducerState):
 
     def __init__(self, codec: str, error_feedback: bool = True, warmup_steps: int = 0,
                  min_compress_numel: int = 4096, guard_nonfinite: bool = True):
-        # the settings, their checks and the warm-up / small-group policy are the DDP hook's
+        # the settings, their checks and the warm-up / small-group policy are the DDP hook's; the
+        # reduce-scatter sums every codec in fp32
         super().__init__(_Config(codec, error_feedback, warmup_steps, min_compress_numel,
-                                 guard_nonfinite))
+                                 guard_nonfinite, cast_sum="fp32"))
         self._params: Dict[int, Tuple[_Param, ...]] = {}  # per group index, set by compress()
         self._groups: Dict[int, _GroupState] = {}
         self._loaded: Dict[int, dict] = {}  # checkpointed groups not yet reduced in this process

@@ -1,5 +1,6 @@
-"""What each spawned rank runs in test_ddp.py. Module-level functions (the children import them).
-Each writes its observations with torch.save into `outdir`; the test process compares them."""
+"""What each spawned rank runs in test_ddp.py and test_cast_allreduce.py. Module-level functions
+(the children import them). Each writes its observations with torch.save into `outdir`; the test
+process compares them."""
 
 import datetime
 import io
@@ -163,6 +164,16 @@ def twin(rank, world, outdir, configs):
                 "residuals": None if state is None else state.state_dict()["residuals"]}
             del ddp
         torch.save(out, os.path.join(outdir, f"twin_{name}_{rank}.pt"))
+
+
+def sum_16_bit(rank, world, outdir):
+    """Gloo's SUM all-reduce of bfloat16 and float16 CPU tensors of rank + 1."""
+    sums = {}
+    for dtype in (torch.bfloat16, torch.float16):
+        t = torch.full((5,), float(rank + 1), dtype=dtype)
+        dist.all_reduce(t)
+        sums[str(dtype)] = t
+    torch.save(sums, os.path.join(outdir, f"sums_{rank}.pt"))
 
 
 def cast_sums(rank, world, outdir, configs):

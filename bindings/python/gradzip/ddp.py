@@ -62,13 +62,11 @@ class _Config:
                              "uncompressed warm-up steps before it freezes it: warmup_steps must "
                              "be >= 1 (about the learning rate's warm-up)")
         self.error_feedback = bool(error_feedback)
-        # An optimizer direction with error feedback keeps an owner residual of the re-encoded
-        # sum, which exists only where one rank forms the sum in fp32 (the two-phase path).
-        owner_residual = self.error_feedback and self.direction is not None
+        # The owner residual exists only where one rank forms the sum in fp32 (the two-phase path).
         if cast_sum is None:
-            cast_sum = "fp32" if owner_residual else "wire"
+            cast_sum = "fp32" if self.wants_owner_residual else "wire"
         self.plan = CodecPlan.parse(codec, cast_sum)
-        if owner_residual and self.plan.wire_sum:
+        if self.wants_owner_residual and self.plan.wire_sum:
             raise ValueError(f"gradzip: {type(optimizer).__name__} with error feedback keeps the "
                              f"residual of the summed {self.plan.kind}, which needs the two-phase "
                              "fp32 sum: cast_sum='wire' sums in the wire dtype inside the backend; "
@@ -93,6 +91,13 @@ class _Config:
         return world > 1 and step >= self.warmup_steps and n >= max(self.min_compress_numel, world, 1)
 
     @property
+    def wants_owner_residual(self) -> bool:
+        """The owner's second residual on the reduced shard of a two-phase bucket: measured to help
+        only where an optimizer direction is compressed (on raw gradients it compounds the two
+        errors)."""
+        return self.error_feedback and self.direction is not None
+
+    @property
     def keeps_state(self) -> bool:
         return self.error_feedback or self.direction is not None
 
@@ -107,9 +112,7 @@ class _Config:
         if not self.error_feedback and not moments:
             return None
         owner = None
-        if self.error_feedback and self.plan.two_phase and self.direction is not None:
-            # The owner's second residual on the reduced shard: measured to help only where an
-            # optimizer direction is compressed (on raw gradients it compounds the two errors).
+        if self.wants_owner_residual and self.plan.two_phase:
             bounds = shard_bounds(layout[0], world)
             owner = (bounds[rank], bounds[rank + 1] - bounds[rank])
         return store.get(index, layout, self.error_feedback, owner, moments, device)

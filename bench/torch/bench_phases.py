@@ -1,5 +1,6 @@
 """Where the time of one compressed bucket goes: each phase of the C++ reduction (encode, all-to-all,
-the owner's sum and re-encode, all-gather, decode) timed on its own, the whole reduction as the
+the owner's sum and re-encode, all-gather, or the casts' one 16-bit all-reduce, decode) timed on
+its own, the whole reduction as the
 hook runs it (CompressedAllreduce; "phases in a row": the same calls from Python, one after the
 other), and PyTorch's fp32 all-reduce of the same bucket, with W Gloo
 ranks on this machine (loopback).
@@ -20,7 +21,9 @@ import torch.distributed as dist
 
 import loopback_ranks
 
-CODECS = ["fp32", "bf16", "int8", "sign", "topk:0.01"]
+# (codec, cast_sum): bf16 on its default one all-reduce and on the two-phase fp32 sum
+CODECS = [("fp32", "wire"), ("bf16", "wire"), ("bf16", "fp32"), ("int8", "wire"), ("sign", "wire"),
+          ("topk:0.01", "wire")]
 
 
 def timed(fn, reps):
@@ -42,10 +45,13 @@ def worker(rank, world, args):
     rows = []
     rows.append(("allreduce (fp32, torch)", {"total": timed(lambda: dist.all_reduce(x), args.reps)}))
     private = dist.new_group(list(range(world)), use_local_synchronization=True)
-    for codec in CODECS:
-        red = torch.classes.gradzip.BucketReduction(codec, world, rank, numels, x)
+    for codec, cast_sum in CODECS:
+        red = torch.classes.gradzip.BucketReduction(codec, world, rank, numels, x, cast_sum)
         residual = torch.zeros(n)
         phases = {"encode": timed(lambda: red.encode(x, residual), args.reps)}
+        payload = red.payload()
+        if red.wire_sum():
+            phases["all-reduce"] = timed(lambda: dist.all_reduce(payload), args.reps)
         if red.two_phase():
             send, recv = red.send(), red.recv()
             splits = red.send_splits()
@@ -54,18 +60,24 @@ def worker(rank, world, args):
                 lambda: dist.all_to_all_single(recv, send, recv_splits, splits), args.reps)
             phases["owner sum + re-encode"] = timed(lambda: red.reduce_owner(None), args.reps)
         gathered, gather_in = red.gathered(), red.gather_in()
-        phases["all-gather"] = timed(lambda: dist.all_gather_into_tensor(gathered, gather_in),
-                                     args.reps)
+        if not red.wire_sum():
+            phases["all-gather"] = timed(lambda: dist.all_gather_into_tensor(gathered, gather_in),
+                                         args.reps)
         phases["decode"] = timed(lambda: red.decode(x), args.reps)
         def in_a_row():
             x.copy_(x0)
             red.encode(x, residual)
+            if red.wire_sum():
+                dist.all_reduce(payload)
+                red.decode(x)
+                return
             if red.two_phase():
                 dist.all_to_all_single(recv, send, recv_splits, splits)
                 red.reduce_owner(None)
             dist.all_gather_into_tensor(gathered, gather_in)
             red.decode(x)
-        runtime = torch.classes.gradzip.CompressedAllreduce(private.group_name, codec, None)
+        runtime = torch.classes.gradzip.CompressedAllreduce(private.group_name, codec, None,
+                                                            cast_sum)
 
         def whole():
             x.copy_(x0)
@@ -73,7 +85,7 @@ def worker(rank, world, args):
         copy = timed(lambda: x.copy_(x0), args.reps)
         phases["phases in a row"] = timed(in_a_row, args.reps) - copy
         phases["total"] = timed(whole, args.reps) - copy
-        rows.append((codec, phases))
+        rows.append((codec if cast_sum == "wire" else f"{codec} cast_sum={cast_sum}", phases))
     return rows
 
 
@@ -85,7 +97,7 @@ def main():
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = ap.parse_args()
     rows = loopback_ranks.run(worker, args.world, args.threads, args)
-    cols = ["encode", "all-to-all", "owner sum + re-encode", "all-gather", "decode",
+    cols = ["encode", "all-to-all", "owner sum + re-encode", "all-gather", "all-reduce", "decode",
             "phases in a row", "total"]
     print(f"One bucket of {args.numel} floats ({args.numel * 4 / 1e6:.1f} MB), {args.world} Gloo "
           f"ranks on loopback, median of {args.reps}, ms\n")

@@ -34,8 +34,14 @@ int64_t slot_bytes(const Codec& codec, int64_t n) {
 
 }  // namespace
 
+CastSum parse_cast_sum(const std::string& name) {
+  if (name == "wire") return CastSum::wire;
+  TORCH_CHECK_VALUE(name == "fp32", "gradzip: cast_sum must be 'wire' or 'fp32', got '", name, "'");
+  return CastSum::fp32;
+}
+
 BucketLayout::BucketLayout(const Codec& codec, int64_t world_, const std::vector<int64_t>& numels,
-                           Collective collective_)
+                           Collective collective_, CastSum cast_sum)
     : world(world_), collective(collective_) {
   TORCH_CHECK_VALUE(world >= 1, "gradzip: world size must be >= 1, got ", world);
   TORCH_CHECK_VALUE(!numels.empty(), "gradzip: a bucket holds at least one tensor");
@@ -46,7 +52,10 @@ BucketLayout::BucketLayout(const Codec& codec, int64_t world_, const std::vector
     cuts.push_back(n);
   }
   cuts.pop_back();  // interior boundaries only
-  two_phase = collective == Collective::reduce_scatter || codec.kind() != CodecKind::topk;
+  wire_sum = collective == Collective::allreduce && cast_sum == CastSum::wire &&
+             (codec.kind() == CodecKind::fp16 || codec.kind() == CodecKind::bf16);
+  two_phase = !wire_sum &&
+              (collective == Collective::reduce_scatter || codec.kind() != CodecKind::topk);
   if (!two_phase) {
     slot = slot_bytes(codec, n);
     return;
@@ -67,6 +76,10 @@ BucketLayout::BucketLayout(const Codec& codec, int64_t world_, const std::vector
 
 std::pair<int64_t, int64_t> BucketLayout::traffic(int64_t rank) const {
   if (world == 1) return {0, 0};
+  if (wire_sum) {
+    const int64_t bytes = ring_allreduce_traffic(2 * n, world);  // the header is not sent
+    return {bytes, bytes};
+  }
   if (!two_phase) return {(world - 1) * slot, (world - 1) * slot};
   const int64_t all = std::accumulate(shard_bytes.begin(), shard_bytes.end(), int64_t{0});
   if (collective == Collective::reduce_scatter)
@@ -85,13 +98,18 @@ std::vector<int64_t> shard_starts(int64_t n, int64_t world) {
   return starts;
 }
 
-int64_t fp32_traffic(int64_t n, int64_t world) { return 2 * (world - 1) * 4 * n / world; }
+int64_t ring_allreduce_traffic(int64_t bytes, int64_t world) {
+  return 2 * (world - 1) * bytes / world;
+}
+
+int64_t fp32_traffic(int64_t n, int64_t world) { return ring_allreduce_traffic(4 * n, world); }
 
 BucketReduction::BucketReduction(const Codec& codec, int64_t world, int64_t rank,
                                  const std::vector<int64_t>& numels,
-                                 const at::TensorOptions& device, Collective collective)
+                                 const at::TensorOptions& device, Collective collective,
+                                 CastSum cast_sum)
     : codec_(codec),
-      layout_(codec, world, numels, collective),
+      layout_(codec, world, numels, collective, cast_sum),
       rank_(rank),
       device_(device.device()) {
   TORCH_CHECK_VALUE(rank >= 0 && rank < world, "gradzip: rank ", rank, " outside [0, ", world, ")");
@@ -116,10 +134,13 @@ BucketReduction::BucketReduction(const Codec& codec, int64_t world, int64_t rank
       accumulator_ = at::empty({layout_.shard_size(rank)}, device.dtype(at::kFloat));
   } else {
     ws = codec.workspace_bytes(static_cast<size_t>(layout_.n));
-    decodes = static_cast<size_t>(w);
+    decodes = layout_.wire_sum ? 1 : static_cast<size_t>(w);
   }
   gather_in = at::zeros({layout_.slot}, bytes);
-  gathered = at::empty({w * layout_.slot}, bytes);
+  gathered = at::empty({layout_.wire_sum ? 0 : w * layout_.slot}, bytes);
+  if (layout_.wire_sum)  // a cast message: the header, then n 16-bit values
+    payload = gather_in.narrow(0, static_cast<int64_t>(kHeaderBytes), 2 * layout_.n)
+                  .view(codec.kind() == CodecKind::fp16 ? at::kHalf : at::kBFloat16);
   workspace_ = at::empty({static_cast<int64_t>(ws)}, bytes);
   if (device_.is_cuda()) decode_status = at::zeros({static_cast<int64_t>(16 * decodes)}, bytes);
 }
@@ -214,6 +235,10 @@ void BucketReduction::decode(const at::Tensor& out) {
   const int64_t w = layout_.world;
   // After reduce_owner's decodes (two-phase), so that every status word of the step is kept.
   int64_t status_index = layout_.two_phase ? w * static_cast<int64_t>(layout_.pieces[rank_].size()) : 0;
+  if (layout_.wire_sum) {
+    decode_pieces(gather_in.const_data_ptr<uint8_t>(), o, {layout_.n}, /*add=*/false, status_index);
+    return;
+  }
   if (!layout_.two_phase) {
     out.zero_();
     for (int64_t j = 0; j < w; ++j)

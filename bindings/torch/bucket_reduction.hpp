@@ -2,7 +2,18 @@
 // between its collectives, so that a process group (compressed_allreduce.hpp) and W ranks simulated
 // in one process (gradzip.ddp.SimulatedWorkers) run exactly the same arithmetic on the same bytes.
 //
-// Two-phase codecs (fp32, fp16, bf16, int8, sign):
+// The casts (fp16, bf16) by default (CastSum::wire):
+//   encode        the whole bucket is encoded as one message (prescale 1/W, error feedback into
+//                 `residual`) into gather_in;
+//   all-reduce    the message's 16-bit values (`payload`, a float16/bfloat16 view of gather_in
+//                 after the header) are summed in place by the backend: one collective, the
+//                 bytes of a 16-bit ring all-reduce (2 (W-1)/W of 2n bytes per rank each way);
+//   decode        every rank decodes the summed message.
+// Every rank gets the backend's result, so replicas stay identical; but the sum is rounded to the
+// wire dtype in the backend's order (which differs between backends and may lose precision or
+// overflow as W grows), and no rank sees an fp32 sum, so there is no owner residual.
+//
+// Two-phase codecs (int8, sign, fp32, and the casts with CastSum::fp32):
 //   encode        the bucket is cut into W shards; every shard is encoded (prescale 1/W, error
 //                 feedback into `residual`) into send, shard j for rank j;
 //   all-to-all    send -> recv: rank r receives the W encodings of its shard, in rank order;
@@ -10,15 +21,14 @@
 //                 residual only where an optimizer direction is compressed) into gather_in;
 //   all-gather    gather_in -> gathered (W fixed-size slots);
 //   decode        every rank decodes every shard.
-// The casts use it too rather than a 16-bit all-reduce: the same bytes as a ring all-reduce
-// (2 (W-1)/W of the 16-bit buffer per rank), but summed in fp32 in a fixed order, so the sum
-// neither loses precision nor overflows as W grows and is bitwise identical on every rank and
-// backend.
+// For the casts this buys fp32 accumulation in a fixed order: the sum neither loses precision nor
+// overflows as W grows, is bitwise identical on every backend, and equals an in-process
+// simulation (gradzip.ddp.SimulatedWorkers) bit for bit.
 // Top-k: encode the whole bucket (prescale 1/W, error feedback) into gather_in; all-gather;
 // decode-add the W payloads in rank order into zeros.
 //
 // Reduce-scatter (Collective::reduce_scatter, FSDP's gradient step, which keeps the result
-// sharded): the encode and all-to-all above for every codec, then sum_shard decodes the W
+// sharded): the two-phase encode and all-to-all for every codec, then sum_shard decodes the W
 // encodings of this rank's shard in rank order into its fp32 output. Top-k selects per
 // destination shard (k = ceil(ratio * shard size) of each), so no second phase is needed.
 //
@@ -33,6 +43,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -45,19 +56,28 @@ constexpr int64_t kMinPiece = 64;
 // What the collective leaves on each rank: the average of the whole bucket, or its shard of the sum.
 enum class Collective { allreduce, reduce_scatter };
 
+// Where the casts' all-reduce sums: in the wire dtype, by the backend's one all-reduce, or in fp32
+// by the two-phase exchange. The reduce-scatter always sums in fp32.
+enum class CastSum { wire, fp32 };
+// "wire" or "fp32"; anything else is a ValueError.
+CastSum parse_cast_sum(const std::string& name);
+
 // Where the bytes go: a pure function of the codec, W, n and the tensor sizes.
 struct BucketLayout {
   BucketLayout(const Codec& codec, int64_t world, const std::vector<int64_t>& numels,
-               Collective collective = Collective::allreduce);
+               Collective collective = Collective::allreduce, CastSum cast_sum = CastSum::wire);
 
   int64_t world = 1;
   int64_t n = 0;
   Collective collective = Collective::allreduce;
-  bool two_phase = true;                     // shards exchanged by all-to-all (else: top-k's all-gather)
+  bool wire_sum = false;                     // one all-reduce of the 16-bit payload (the casts)
+  bool two_phase = true;                     // shards exchanged by all-to-all (else wire_sum or
+                                             // top-k's all-gather)
   std::vector<int64_t> starts;               // W + 1 shard offsets (two-phase)
   std::vector<std::vector<int64_t>> pieces;  // per shard, the lengths of its messages
   std::vector<int64_t> shard_bytes;          // per shard, its messages' bytes
-  int64_t slot = 0;                          // bytes of one all-gather contribution (all-reduce)
+  int64_t slot = 0;                          // bytes of one all-gather contribution (all-reduce),
+                                             // or of the one message (wire_sum)
 
   int64_t shard_size(int64_t rank) const { return starts[rank + 1] - starts[rank]; }
   // Bytes one rank sends and receives for this bucket (an uncompressed bucket: see fp32_traffic).
@@ -68,6 +88,8 @@ struct BucketLayout {
 // n % W shards, n // W for the others (W + 1 offsets).
 std::vector<int64_t> shard_starts(int64_t n, int64_t world);
 
+// Bytes each way per rank of a ring all-reduce of `bytes` over W ranks: 2 (W-1)/W of them.
+int64_t ring_allreduce_traffic(int64_t bytes, int64_t world);
 // Bytes each way of a ring all-reduce of n floats over W ranks, the uncompressed reference.
 int64_t fp32_traffic(int64_t n, int64_t world);
 
@@ -75,10 +97,11 @@ class BucketReduction {
  public:
   BucketReduction(const Codec& codec, int64_t world, int64_t rank,
                   const std::vector<int64_t>& numels, const at::TensorOptions& device,
-                  Collective collective = Collective::allreduce);
+                  Collective collective = Collective::allreduce, CastSum cast_sum = CastSum::wire);
 
   const BucketLayout& layout() const { return layout_; }
   bool two_phase() const { return layout_.two_phase; }
+  bool wire_sum() const { return layout_.wire_sum; }
   int64_t rank() const { return rank_; }
 
   // x: this rank's float32 bucket (n, contiguous). residual: n floats, or undefined (no error
@@ -95,7 +118,8 @@ class BucketReduction {
 
   // The exchanged buffers (uint8). Two-phase: all-to-all send -> recv with the splits below, then
   // all-gather gather_in -> gathered. Top-k: only the all-gather. Reduce-scatter: only the all-to-all.
-  at::Tensor send, recv, gather_in, gathered;
+  // wire_sum: the in-place all-reduce (SUM) of payload, the float16/bfloat16 values of gather_in.
+  at::Tensor send, recv, gather_in, gathered, payload;
   std::vector<int64_t> send_splits, recv_splits;
   // CUDA: one 16-byte status word per decode of the last step (gradzip::cuda::decode's
   // asynchronous form); undefined on the CPU, where a corrupt message throws at once.

@@ -1,7 +1,9 @@
 // The compressed all-reduce as TorchScript classes (torch.classes.gradzip.*), for the Python hook
 // (gradzip.ddp) and its in-process simulation:
-//   CompressedAllreduce(group_name, codec, guard?)   over the registered process group of that name
-//   BucketReduction(codec, world, rank, numels)       one rank's phases, exchange done by the caller
+//   CompressedAllreduce(group_name, codec, guard?, cast_sum="wire")   over the registered process
+//                                                    group of that name
+//   BucketReduction(codec, world, rank, numels, like, cast_sum="wire")   one rank's phases,
+//                                                    exchange done by the caller
 //   NonfiniteGuard()
 // and the layout's sizes as ops (gradzip::bucket_traffic, reduce_scatter_traffic, fp32_traffic,
 // shard_starts).
@@ -27,27 +29,31 @@ Codec parse_spec(const std::string& spec) {
 class PyBucketReduction : public torch::CustomClassHolder {
  public:
   PyBucketReduction(const std::string& spec, int64_t world, int64_t rank,
-                    const std::vector<int64_t>& numels, const at::Tensor& like)
-      : r(parse_spec(spec), world, rank, numels, like.options()) {}
+                    const std::vector<int64_t>& numels, const at::Tensor& like,
+                    const std::string& cast_sum)
+      : r(parse_spec(spec), world, rank, numels, like.options(), Collective::allreduce,
+          parse_cast_sum(cast_sum)) {}
   BucketReduction r;
 };
 
 std::vector<int64_t> traffic_of(const std::string& spec, int64_t world, int64_t rank,
-                                const std::vector<int64_t>& numels, Collective collective) {
-  const BucketLayout layout(parse_spec(spec), world, numels, collective);
+                                const std::vector<int64_t>& numels, Collective collective,
+                                CastSum cast_sum) {
+  const BucketLayout layout(parse_spec(spec), world, numels, collective, cast_sum);
   TORCH_CHECK_VALUE(rank >= 0 && rank < world, "gradzip: rank ", rank, " outside [0, ", world, ")");
   const auto [sent, received] = layout.traffic(rank);
   return {sent, received};
 }
 
 std::vector<int64_t> bucket_traffic(const std::string& spec, int64_t world, int64_t rank,
-                                    const std::vector<int64_t>& numels) {
-  return traffic_of(spec, world, rank, numels, Collective::allreduce);
+                                    const std::vector<int64_t>& numels,
+                                    const std::string& cast_sum) {
+  return traffic_of(spec, world, rank, numels, Collective::allreduce, parse_cast_sum(cast_sum));
 }
 
 std::vector<int64_t> reduce_scatter_traffic(const std::string& spec, int64_t world, int64_t rank,
                                             const std::vector<int64_t>& numels) {
-  return traffic_of(spec, world, rank, numels, Collective::reduce_scatter);
+  return traffic_of(spec, world, rank, numels, Collective::reduce_scatter, CastSum::fp32);
 }
 
 }  // namespace
@@ -63,10 +69,14 @@ TORCH_LIBRARY_FRAGMENT(gradzip, m) {
 
   m.class_<CompressedAllreduce>("CompressedAllreduce")
       .def(torch::init([](const std::string& group_name, const std::string& codec,
-                          const std::optional<c10::intrusive_ptr<NonfiniteGuard>>& guard) {
-        return c10::make_intrusive<CompressedAllreduce>(c10d::resolve_process_group(group_name),
-                                                        codec, guard.value_or(nullptr));
-      }))
+                          const std::optional<c10::intrusive_ptr<NonfiniteGuard>>& guard,
+                          const std::string& cast_sum) {
+             return c10::make_intrusive<CompressedAllreduce>(
+                 c10d::resolve_process_group(group_name), codec, guard.value_or(nullptr),
+                 parse_cast_sum(cast_sum));
+           }),
+           "", {torch::arg("group_name"), torch::arg("codec"), torch::arg("guard"),
+                torch::arg("cast_sum") = "wire"})
       .def("reduce",
            [](const c10::intrusive_ptr<CompressedAllreduce>& self, int64_t index,
               const at::Tensor& bucket, const at::Tensor& x, const std::vector<int64_t>& numels,
@@ -84,8 +94,12 @@ TORCH_LIBRARY_FRAGMENT(gradzip, m) {
       .def("check_errors", &CompressedAllreduce::check_errors);
 
   m.class_<PyBucketReduction>("BucketReduction")
-      .def(torch::init<std::string, int64_t, int64_t, std::vector<int64_t>, at::Tensor>())
+      .def(torch::init<std::string, int64_t, int64_t, std::vector<int64_t>, at::Tensor, std::string>(),
+           "", {torch::arg("spec"), torch::arg("world"), torch::arg("rank"), torch::arg("numels"),
+                torch::arg("like"), torch::arg("cast_sum") = "wire"})
       .def("two_phase", [](const c10::intrusive_ptr<PyBucketReduction>& s) { return s->r.two_phase(); })
+      .def("wire_sum", [](const c10::intrusive_ptr<PyBucketReduction>& s) { return s->r.wire_sum(); })
+      .def("payload", [](const c10::intrusive_ptr<PyBucketReduction>& s) { return s->r.payload; })
       .def("encode",
            [](const c10::intrusive_ptr<PyBucketReduction>& s, const at::Tensor& x,
               const std::optional<at::Tensor>& residual) { s->r.encode(x, or_undefined(residual)); })
@@ -108,7 +122,8 @@ TORCH_LIBRARY_FRAGMENT(gradzip, m) {
                            : std::vector<int64_t>{0, l.n};
       });
 
-  m.def("bucket_traffic(str spec, int world, int rank, int[] numels) -> int[]", &bucket_traffic);
+  m.def("bucket_traffic(str spec, int world, int rank, int[] numels, str cast_sum=\"wire\") -> int[]",
+        &bucket_traffic);
   m.def("reduce_scatter_traffic(str spec, int world, int rank, int[] numels) -> int[]",
         &reduce_scatter_traffic);
   m.def("fp32_traffic(int n, int world) -> int", &fp32_traffic);

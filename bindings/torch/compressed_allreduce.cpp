@@ -16,10 +16,12 @@ namespace gradzip::torch_ext {
 
 CompressedAllreduce::CompressedAllreduce(c10::intrusive_ptr<c10d::ProcessGroup> group,
                                          const std::string& codec,
-                                         c10::intrusive_ptr<NonfiniteGuard> guard)
+                                         c10::intrusive_ptr<NonfiniteGuard> guard,
+                                         CastSum cast_sum)
     : group_(std::move(group)),
       codec_(guarded("compressed_allreduce", [&] { return Codec::parse(codec); })),
-      guard_(std::move(guard)) {
+      guard_(std::move(guard)),
+      cast_sum_(cast_sum) {
   TORCH_CHECK_VALUE(group_, "gradzip: compressed_allreduce needs a process group");
 }
 
@@ -62,7 +64,7 @@ std::shared_ptr<BucketReduction> CompressedAllreduce::bucket_reduction(
       cached.reduction->layout().collective != collective ||
       cached.reduction->gathered.device() != x.device())
     cached = {numels, std::make_shared<BucketReduction>(codec_, world(), rank(), numels,
-                                                        x.options(), collective)};
+                                                        x.options(), collective, cast_sum_)};
   return cached.reduction;
 }
 
@@ -78,11 +80,17 @@ void allreduce_average(c10d::ProcessGroup& group, const at::Tensor& x) {
 void run(c10d::ProcessGroup& group, BucketReduction& r, const at::Tensor& x,
          const at::Tensor& residual, const at::Tensor& owner_residual) {
   r.encode(x, residual);
-  if (r.two_phase()) {
-    group.alltoall_base(r.recv, r.send, r.recv_splits, r.send_splits)->wait();
-    r.reduce_owner(owner_residual);
+  if (r.wire_sum()) {
+    // SUM in the wire dtype, in place: the backend gives every rank the same result.
+    std::vector<at::Tensor> payload{r.payload};
+    group.allreduce(payload)->wait();
+  } else {
+    if (r.two_phase()) {
+      group.alltoall_base(r.recv, r.send, r.recv_splits, r.send_splits)->wait();
+      r.reduce_owner(owner_residual);
+    }
+    group._allgather_base(r.gathered, r.gather_in)->wait();
   }
-  group._allgather_base(r.gathered, r.gather_in)->wait();
   r.decode(x);
 }
 
@@ -100,6 +108,10 @@ c10::intrusive_ptr<c10::ivalue::Future> CompressedAllreduce::reduce(
   compress = compress && world() > 1;
   std::shared_ptr<BucketReduction> r =
       compress ? bucket_reduction(index, numels, x, Collective::allreduce) : nullptr;
+  TORCH_CHECK_VALUE(!owner_residual.defined() || !r || !r->wire_sum(),
+                    "gradzip: an owner residual needs the two-phase sum; ", codec_.name(),
+                    " buckets are summed by one all-reduce in the wire dtype (cast_sum 'fp32' "
+                    "keeps the two-phase sum)");
   const bool copy_back = !bucket.is_same(x);
   return launch(index, bucket, r, [group = group_, guard = guard_, r, bucket, x, residual,
                                    owner_residual, copy_back] {

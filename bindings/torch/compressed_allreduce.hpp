@@ -1,6 +1,6 @@
 // The compressed average of DDP buckets, and the compressed reduce-scatter of FSDP's gradients, over
-// a c10d::ProcessGroup (Gloo, NCCL, any backend with all-to-all and all-gather), usable from C++
-// without Python:
+// a c10d::ProcessGroup (Gloo, NCCL, any backend with all-to-all, all-gather and a float16/bfloat16
+// all-reduce), usable from C++ without Python:
 //
 //   auto group = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, 2, options);
 //   gradzip::torch_ext::CompressedAllreduce reduce(group, "sign");
@@ -42,17 +42,20 @@ namespace gradzip::torch_ext {
 
 class CompressedAllreduce : public torch::CustomClassHolder {
  public:
-  // guard: records every reduced bucket's finiteness (see NonfiniteGuard), or null.
+  // guard: records every reduced bucket's finiteness (see NonfiniteGuard), or null. cast_sum: how
+  // reduce() sums fp16/bf16 buckets (bucket_reduction.hpp): one all-reduce in the wire dtype, or
+  // the two-phase fp32 sum.
   CompressedAllreduce(c10::intrusive_ptr<c10d::ProcessGroup> group, const std::string& codec,
-                      c10::intrusive_ptr<NonfiniteGuard> guard = {});
+                      c10::intrusive_ptr<NonfiniteGuard> guard = {},
+                      CastSum cast_sum = CastSum::wire);
   ~CompressedAllreduce() override;
 
   // Averages `bucket` (a float tensor of any float dtype) over the group. `x`: the float32 values
   // to reduce (the bucket itself, or its float32 copy / optimizer direction; with compress = false
   // any float dtype, e.g. the bf16 bucket itself), overwritten with the
   // average, which is then copied into `bucket` if they differ. `numels`: the sizes of the tensors
-  // the bucket holds, in order. `residual` (numel of x) / `owner_residual` (this rank's shard):
-  // error feedback, or undefined. compress = false: an fp32 all-reduce of x / W.
+  // the bucket holds, in order. `residual` (numel of x) / `owner_residual` (this rank's shard of a
+  // two-phase bucket): error feedback, or undefined. compress = false: an fp32 all-reduce of x / W.
   c10::intrusive_ptr<c10::ivalue::Future> reduce(int64_t index, const at::Tensor& bucket,
                                                  const at::Tensor& x,
                                                  const std::vector<int64_t>& numels,
@@ -104,6 +107,7 @@ class CompressedAllreduce : public torch::CustomClassHolder {
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   Codec codec_;
   c10::intrusive_ptr<NonfiniteGuard> guard_;
+  CastSum cast_sum_;
   struct Cached {
     std::vector<int64_t> numels;
     std::shared_ptr<BucketReduction> reduction;

@@ -1,5 +1,6 @@
-"""What each spawned rank runs in test_ddp.py. Module-level functions (the children import them).
-Each writes its observations with torch.save into `outdir`; the test process compares them."""
+"""What each spawned rank runs in test_ddp.py and test_cast_allreduce.py. Module-level functions
+(the children import them). Each writes its observations with torch.save into `outdir`; the test
+process compares them."""
 
 import datetime
 import io
@@ -130,7 +131,8 @@ def train(rank, world, outdir, configs):
         opt = make_optimizer(cfg.get("optimizer"), model.parameters())
         state = CompressionState(cfg["codec"], min_compress_numel=cfg.get("min_numel", 32),
                                  warmup_steps=config_warmup(cfg),
-                                 optimizer=None if cfg.get("optimizer") is None else opt)
+                                 optimizer=None if cfg.get("optimizer") is None else opt,
+                                 cast_sum=cfg.get("cast_sum"))
         records = []
         ddp.register_comm_hook(state, recording_hook(records))
         stats = []
@@ -173,6 +175,52 @@ def twin(rank, world, outdir, configs):
                 "residuals": None if state is None else state.state_dict()["residuals"]}
             del ddp
         torch.save(out, os.path.join(outdir, f"twin_{name}_{rank}.pt"))
+
+
+def sum_16_bit(rank, world, outdir):
+    """Gloo's SUM all-reduce of bfloat16 and float16 CPU tensors of rank + 1."""
+    sums = {}
+    for dtype in (torch.bfloat16, torch.float16):
+        t = torch.full((5,), float(rank + 1), dtype=dtype)
+        dist.all_reduce(t)
+        sums[str(dtype)] = t
+    torch.save(sums, os.path.join(outdir, f"sums_{rank}.pt"))
+
+
+def cast_sums(rank, world, outdir, configs):
+    """For each (name, codec, cast_sum): one layer (one bucket, so the test's reference needs no
+    bucket layout) trained 5 steps with the hook, recording every reduction and this rank's
+    residual after each step; then steps 3-4 again from a checkpoint of the state after step 2
+    (model, optimizer, CompressionState.state_dict), in a fresh DDP and state."""
+    def run(steps, saved=None):
+        torch.manual_seed(4321)  # identical initial replicas
+        model = nn.Linear(64, 50, bias=False)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        state = CompressionState(codec, min_compress_numel=0, cast_sum=cast_sum)
+        if saved is not None:
+            model.load_state_dict(saved["model"])
+            opt.load_state_dict(saved["opt"])
+            state.load_state_dict(saved["gradzip"])
+        ddp = DDP(model)
+        records, residuals, ckpt = [], [], None
+        ddp.register_comm_hook(state, recording_hook(records))
+        for step in steps:
+            if step == 3:
+                ckpt = pickle.loads(pickle.dumps({"model": model.state_dict(), "opt": opt.state_dict(),
+                                                  "gradzip": state.state_dict()}))
+            g = torch.Generator().manual_seed(1000 * step + rank)
+            x, y = torch.randn(8, 64, generator=g), torch.randn(8, 50, generator=g)
+            opt.zero_grad()
+            ((ddp(x) - y) ** 2).mean().backward()
+            opt.step()
+            residuals.append(state.state_dict()["residuals"][0]["residual"])
+        return records, residuals, model.weight.detach().clone(), ckpt
+
+    for name, codec, cast_sum in configs:
+        records, residuals, params, ckpt = run(range(5))
+        *_, resumed, _ = run(range(3, 5), ckpt)
+        torch.save({"records": records, "residuals": residuals, "params": params,
+                    "resumed": resumed}, os.path.join(outdir, f"{name}_{rank}.pt"))
 
 
 def fp16_vs_pytorch(rank, world, outdir):

@@ -102,9 +102,13 @@ def test_step_cost_orders_codecs_at_low_bandwidth():
     t = {c: cm.step_cost(c, buckets, 2, link).seconds for c in cm.BENCH_HOOKS}
     assert t["none"] > t["torch-bf16"] > t["int8"] > t["sign"]
     assert t["none"] > 10 * t["topk:0.01"]
-    # gradzip's bf16 is two-phase: the bytes of a 16-bit ring all-reduce, plus shard headers
-    assert t["torch-bf16"] == pytest.approx(t["bf16"], rel=1e-4)
-    assert cm.Codec.parse("bf16").collective == "two_phase"
+    # gradzip's bf16 is one 16-bit ring all-reduce of the payload, as PyTorch's hook; its
+    # two-phase fp32 sum moves those bytes plus shard headers
+    assert t["torch-bf16"] == pytest.approx(t["bf16"], rel=1e-12)
+    two_phase = cm.step_cost(cm.Codec.parse("bf16", "fp32"), buckets, 2, link).seconds
+    assert two_phase == pytest.approx(t["bf16"], rel=1e-4) and two_phase > t["bf16"]
+    assert cm.Codec.parse("bf16").collective == "cast_allreduce"
+    assert cm.Codec.parse("bf16", cast_sum="fp32").collective == "two_phase"
     assert cm.Codec.parse("torch-bf16").collective == "allreduce"
     # two ranks, fp32: every rank sends the whole model once
     sent = cm.step_cost("none", buckets, 2, link).sent_bytes
@@ -113,9 +117,11 @@ def test_step_cost_orders_codecs_at_low_bandwidth():
 
 def test_codec_compute_counts():
     speed = cm.CodecSpeed(encode_ef=1e9, decode_add=1e9)
-    # PyTorch's bf16 hook: cast down and back; gradzip's two-phase bf16 as int8 below
+    # PyTorch's bf16 hook and gradzip's: cast down and back; gradzip's two-phase bf16 as int8 below
     assert cm.codec_compute_s(cm.Codec.parse("torch-bf16"), 10**6, 8, speed) == pytest.approx(2e-3)
-    assert cm.codec_compute_s(cm.Codec.parse("bf16"), 8 * 10**6, 8, speed) == pytest.approx(25e-3)
+    assert cm.codec_compute_s(cm.Codec.parse("bf16"), 10**6, 8, speed) == pytest.approx(2e-3)
+    assert cm.codec_compute_s(cm.Codec.parse("bf16", "fp32"), 8 * 10**6, 8,
+                              speed) == pytest.approx(25e-3)
     # int8 at p=4: encode n + n/4, decode 4 * n/4 + n
     assert cm.codec_compute_s(cm.Codec.parse("int8"), 4 * 10**6, 4, speed) == pytest.approx(13e-3)
     assert cm.codec_compute_s(cm.Codec.parse("none"), 10**6, 8, speed) == 0.0

@@ -21,13 +21,16 @@ def load(outdir, name, world):
     return [torch.load(os.path.join(outdir, f"{name}_{r}.pt"), weights_only=False) for r in range(world)]
 
 
-def check_replicas_and_reference(runs, codec, world, min_numel=32, warmup=0, optimizer=None):
+def check_replicas_and_reference(runs, codec, world, min_numel=32, warmup=0, optimizer=None,
+                                 cast_sum=None):
     """Replicas bitwise identical; every bucket's reduced value equals SimulatedWorkers fed with
     the ranks' local bucket gradients (and, with a gradzip.optim ``optimizer``, computing the same
     updates). Uncompressed steps are the backend's fp32 all-reduce, whose summation order for
     W >= 3 is not the simulation's: they agree to rounding, and FrozenVarianceAdamW's one state,
     updated from those averages, carries the last-bit difference on, so with it the compressed
-    steps are compared bit for bit at W = 2 only (where a sum of two is the same either way)."""
+    steps are compared bit for bit at W = 2 only (where a sum of two is the same either way).
+    fp16/bf16 summed on the wire by Gloo: to the wire dtype's rounding of the W-term sum
+    (test_cast_allreduce.py has their float64 reference)."""
     for r in range(1, world):
         for a, b in zip(runs[0]["params"], runs[r]["params"]):
             assert torch.equal(a, b), f"{codec}: replica {r} differs from replica 0"
@@ -36,7 +39,7 @@ def check_replicas_and_reference(runs, codec, world, min_numel=32, warmup=0, opt
     assert len(recs[0]) > 0 and all(len(x) == len(recs[0]) for x in recs)
     opt = None if optimizer is None else sc.make_optimizer(optimizer, [torch.nn.Parameter(torch.zeros(1))])
     sim = SimulatedWorkers(codec, world, min_compress_numel=min_numel, warmup_steps=warmup,
-                           optimizer=opt)
+                           optimizer=opt, cast_sum=cast_sum)
     state_from_averages = opt is not None and opt.direction.needs_warmup and world > 2
     layouts = set()
     for k, (key, _, out0, params) in enumerate(recs[0]):
@@ -57,6 +60,12 @@ def check_replicas_and_reference(runs, codec, world, min_numel=32, warmup=0, opt
                 torch.testing.assert_close(out0, expected, rtol=tol[0], atol=tol[1])
         elif state_from_averages:
             pass  # the replicas' equality above is what holds
+        elif sim.config.plan.wire_sum:
+            # |payload| <= (1 + u) |g| / W; each sum, Gloo's and the simulation's, within (W-1) u
+            u = 2.0 ** -11 if codec == "fp16" else 2.0 ** -8
+            mag = sum(recs[r][k][1].double().abs() for r in range(world)) / world
+            err = (out0.double() - expected.double()).abs()
+            assert (err <= 2.1 * (world - 1) * u * mag + world * 2.0 ** -24).all(), codec
         else:
             assert torch.equal(out0, expected), f"{codec}: step {step} bucket {index}: hook != simulation"
         # and it is an average of the local gradients, within the codec's error
@@ -70,6 +79,8 @@ def check_replicas_and_reference(runs, codec, world, min_numel=32, warmup=0, opt
 TRAIN = [(f"{codec.replace(':', '_')}_{int(static)}", {"codec": codec, "static_graph": static, "steps": 4})
          for codec in CODECS for static in (False, True)]
 TRAIN.append(("warmup", {"codec": "int8", "warmup": 2, "steps": 4}))  # then compression starts
+TRAIN += [(f"{codec}_fp32sum", {"codec": codec, "cast_sum": "fp32", "steps": 4})
+          for codec in ("fp16", "bf16")]  # the two-phase sum: equal to the simulation bit for bit
 DIRECTION = [("adamw_sign", {"codec": "sign:block=64", "optimizer": "adamw", "steps": 4}),
              ("sgd_topk", {"codec": "topk:0.1", "optimizer": "sgd", "steps": 4}),
              ("adamw_int8_warmup", {"codec": "int8", "optimizer": "adamw", "warmup": 2, "steps": 4})]
@@ -99,7 +110,8 @@ def session(request, tmp_path_factory):
 def test_replicas_identical_and_equal_to_simulation_across_rebuild(session, name, cfg):
     world, outdir = session
     runs = load(outdir, name, world)
-    layouts = check_replicas_and_reference(runs, cfg["codec"], world, warmup=cfg.get("warmup", 0))
+    layouts = check_replicas_and_reference(runs, cfg["codec"], world, warmup=cfg.get("warmup", 0),
+                                           cast_sum=cfg.get("cast_sum"))
     # iterations 1-3 crossed DDP's bucket rebuild: one bucket first, several afterwards
     assert len({index for index, _ in layouts}) > 1, name
     stats = [run["stats"] for run in runs]
@@ -140,7 +152,8 @@ def test_fp16_agrees_with_pytorch_fp16_compress_hook(session):
     runs = load(outdir, "fp16", world)
     for ours, theirs in zip(runs[0]["gradzip"], runs[0]["torch"]):
         scale = theirs.abs().max().item()
-        # both round the average to fp16 (ours: fp32 sum of fp16 shares, then one more rounding)
+        # both all-reduce fp16 shares in fp16 (ours: fl32(g * fl32(1 / W)) rounded to fp16,
+        # theirs: fp16(g) / W in fp16)
         torch.testing.assert_close(ours, theirs, rtol=2e-3, atol=2e-3 * scale)
     for r in range(1, world):
         for a, b in zip(runs[0]["gradzip"], runs[r]["gradzip"]):

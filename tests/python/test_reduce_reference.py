@@ -3,7 +3,8 @@
 ``SimulatedWorkers`` runs the same C++ phases as the multi-rank DDP hook, bit for bit (pinned by
 test_ddp.py), so what it returns is what every rank's bucket holds. This file re-derives that
 result from the algorithm's description alone, in plain torch float64 (no gradzip encoder,
-decoder or layout helper is called):
+decoder or layout helper is called). fp16/bf16 run here with ``cast_sum="fp32"`` (their
+two-phase fp32 sum; the default one all-reduce in the wire dtype is test_cast_allreduce.py's):
 
   * each rank forms c = g * p + e in fp32 (p = fl32(1/W), e its residual);
   * two-phase codecs (fp32, fp16, bf16, int8, sign): the bucket is cut into W shards (the first
@@ -222,7 +223,7 @@ def gz_residuals(sim):
 
 def run_gradzip(spec, world, steps):
     """steps: list of (grads, numels); returns [(output, residuals after the step)]."""
-    sim = SimulatedWorkers(spec, world, min_compress_numel=0)
+    sim = SimulatedWorkers(spec, world, min_compress_numel=0, cast_sum="fp32")
     out = []
     for grads, numels in steps:
         o = sim.reduce(grads, numels=numels).to(F64)

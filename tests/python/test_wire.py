@@ -79,11 +79,12 @@ def test_block_rule_agrees(block):
 @pytest.mark.parametrize("world", [2, 3, 8])
 def test_message_slots_agree_with_the_all_reduce(spec, world):
     """The all-reduce's bytes (C++ BucketLayout) follow from gradzip.wire's message slots: every
-    message starts on a 16-byte boundary, the shards are collective.shard_bounds."""
+    message starts on a 16-byte boundary, the shards are collective.shard_bounds. (fp16 with its
+    two-phase fp32 sum; its default one all-reduce: test_cast_allreduce.py.)"""
     for n in [s for s in SIZES if world <= s <= 1_000_003]:
         slot = lambda m: wire.message_slot_bytes(gradzip.encoded_bytes(m, spec))  # noqa: E731
         for rank in range(world):
-            sent, received = _ops.bucket_traffic(spec, world, rank, [n])
+            sent, received = _ops.bucket_traffic(spec, world, rank, [n], "fp32")
             if spec.startswith("topk"):
                 assert sent == received == (world - 1) * slot(n), (spec, n)
                 continue

@@ -76,8 +76,10 @@ double max_abs(const Values& v) {
 
 // One reduction of both ranks' step-0 gradients; returns (average, residual) of this rank.
 std::pair<Values, Values> reduce_once(c10::intrusive_ptr<c10d::ProcessGroup> group,
-                                      const std::string& codec, bool compress) {
-  CompressedAllreduce reducer(group, codec);
+                                      const std::string& codec, bool compress,
+                                      gradzip::torch_ext::CastSum cast_sum =
+                                          gradzip::torch_ext::CastSum::wire) {
+  CompressedAllreduce reducer(group, codec, {}, cast_sum);
   at::Tensor grad = to_tensor(gradient(my_rank, 0));
   at::Tensor residual = at::zeros_like(grad);
   reducer.reduce(0, grad, grad, {kN}, residual, {}, compress)->wait();
@@ -98,20 +100,24 @@ void check_casts_and_fallback(const c10::intrusive_ptr<c10d::ProcessGroup>& grou
     expect(max_abs(residual) == 0, "fp32 leaves a zero residual");
   }
 
-  // bf16: each rank sends bf16(g / 2) and keeps the rest; the owner sums in fp32 and re-rounds.
-  const auto [out, residual] = reduce_once(group, "bf16", true);
-  int64_t wrong_residual = 0, out_of_bound = 0;
-  for (int64_t i = 0; i < kN; ++i) {
-    const double c = static_cast<float>(mine[i] * 0.5);
-    if (residual[i] != c - bf16(c)) ++wrong_residual;
-    const double bound = std::ldexp(std::abs(g0[i]) + std::abs(g1[i]), -9) +
-                         std::ldexp(std::abs(mean[i]), -8) + 1e-7;
-    if (std::abs(out[i] - mean[i]) > bound) ++out_of_bound;
+  // bf16: each rank sends bf16(g / 2) and keeps the rest; the backend adds the two in bf16
+  // (CastSum::wire) or the owner sums them in fp32 and re-rounds (CastSum::fp32): one rounding.
+  using gradzip::torch_ext::CastSum;
+  for (const CastSum cast_sum : {CastSum::wire, CastSum::fp32}) {
+    const auto [out, residual] = reduce_once(group, "bf16", true, cast_sum);
+    int64_t wrong_residual = 0, out_of_bound = 0;
+    for (int64_t i = 0; i < kN; ++i) {
+      const double c = static_cast<float>(mine[i] * 0.5);
+      if (residual[i] != c - bf16(c)) ++wrong_residual;
+      const double bound = std::ldexp(std::abs(g0[i]) + std::abs(g1[i]), -9) +
+                           std::ldexp(std::abs(mean[i]), -8) + 1e-7;
+      if (std::abs(out[i] - mean[i]) > bound) ++out_of_bound;
+    }
+    expect(wrong_residual == 0, "bf16 residual = c - bf16(c) at every element (" +
+                                    std::to_string(wrong_residual) + " differ)");
+    expect(out_of_bound == 0, "bf16 average within its rounding bound (" +
+                                  std::to_string(out_of_bound) + " outside)");
   }
-  expect(wrong_residual == 0, "bf16 residual = c - bf16(c) at every element (" +
-                                  std::to_string(wrong_residual) + " differ)");
-  expect(out_of_bound == 0, "bf16 average within its rounding bound (" +
-                                std::to_string(out_of_bound) + " outside)");
 }
 
 void check_int8_and_sign(const c10::intrusive_ptr<c10d::ProcessGroup>& group) {

@@ -5,7 +5,8 @@ The algorithms are C++, written once (bindings/torch/bucket_reduction.hpp: the p
 and piece layout, the wire slots; compressed_allreduce.hpp: the driver over a c10d ProcessGroup,
 used by the DDP hook and by C++ callers). :func:`run_simulated` drives the same C++ phases for W
 ranks in one process, doing the exchanges by copying bytes, so that ``SimulatedWorkers`` equals the
-multi-rank hook bit for bit.
+multi-rank hook bit for bit (except for the sum that the backend does in the casts' one all-reduce,
+see run_simulated).
 
 State is kept per bucket (flat tensors: the encoders read one contiguous residual) and described
 per parameter: a bucket's layout lists its parameters' keys and shapes. When DDP rebuilds its buckets
@@ -23,28 +24,38 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from . import _ops
+from . import _ops, wire
 
 
 # ---- codec plan -----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class CodecPlan:
-    """A parsed codec spec and the collective it uses."""
+    """A parsed codec spec and the collective its all-reduce uses."""
 
     spec: str  # canonical spec string
     kind: str  # fp32 | fp16 | bf16 | int8 | sign | topk
+    cast_sum: str = "wire"  # wire | fp32 (see wire.sums_on_wire)
 
     @staticmethod
-    def parse(spec: str) -> "CodecPlan":
+    def parse(spec: str, cast_sum: str = "wire") -> "CodecPlan":
         if not isinstance(spec, str):
             raise TypeError(f"gradzip: codec spec must be a str, got {type(spec).__name__}")
         canonical = _ops.canonical_spec(spec)
-        return CodecPlan(canonical, canonical.split(":", 1)[0])
+        return CodecPlan(canonical, canonical.split(":", 1)[0], cast_sum)
+
+    def __post_init__(self):
+        wire.sums_on_wire(self.kind, self.cast_sum)  # a ValueError for an unknown cast_sum
+
+    @property
+    def wire_sum(self) -> bool:
+        """One all-reduce (SUM) of the 16-bit payload: fp16/bf16 with cast_sum "wire"."""
+        return wire.sums_on_wire(self.kind, self.cast_sum)
 
     @property
     def two_phase(self) -> bool:
-        """All-to-all + all-gather with an fp32 sum (every codec but top-k, which all-gathers)."""
-        return self.kind != "topk"
+        """All-to-all + all-gather with an fp32 sum (int8, sign, fp32, and the casts with
+        cast_sum "fp32"; top-k all-gathers)."""
+        return self.kind != "topk" and not self.wire_sum
 
 
 @lru_cache(maxsize=1024)
@@ -62,7 +73,7 @@ def traffic(plan: Optional[CodecPlan], numels: Tuple[int, ...], world: int, rank
     if plan is None:
         b = _ops.fp32_traffic(sum(numels), world)
         return b, b
-    sent, received = _ops.bucket_traffic(plan.spec, world, rank, list(numels))
+    sent, received = _ops.bucket_traffic(plan.spec, world, rank, list(numels), plan.cast_sum)
     return sent, received
 
 
@@ -274,10 +285,24 @@ def _tuplify(x):
 def run_simulated(reductions: Sequence, xs: Sequence[torch.Tensor], states: Sequence,
                   outs: Sequence[torch.Tensor]) -> None:
     """Runs one C++ BucketReduction per rank through its phases, doing each collective in memory:
-    the all-to-all sends rank i's shard j to rank j, the all-gather concatenates in rank order."""
+    the all-to-all sends rank i's shard j to rank j, the all-gather concatenates in rank order.
+
+    The casts' one all-reduce (wire_sum) is simulated as the fp32 sum of the W payloads in rank
+    order, rounded once to the wire dtype. The backends sum in the wire dtype in an order of their
+    own (Gloo and NCCL differ, and so do the elements of one bucket), so there the simulation
+    equals the hook only to the wire dtype's rounding of a W-term sum; the residuals, which each
+    rank forms from its own payload, are equal bit for bit."""
     world = len(reductions)
     for red, x, st in zip(reductions, xs, states):
         red.encode(x, None if st is None else st.residual)
+    if reductions[0].wire_sum():
+        total = torch.zeros_like(reductions[0].payload(), dtype=torch.float32)
+        for red in reductions:
+            total += red.payload()
+        for red, out in zip(reductions, outs):
+            red.payload().copy_(total)
+            red.decode(out)
+        return
     if reductions[0].two_phase():
         # per rank: its send buffer cut into the bytes for each destination
         sent = [red.send().split(red.send_splits()) for red in reductions]

@@ -6,15 +6,17 @@
 A drop-in for PyTorch's hooks (``default_hooks.allreduce_hook``, ``powerSGD_hook``): the hook
 returns a Future holding the bucket's averaged gradient (written in place into ``bucket.buffer()``).
 The reduction is C++ (``torch.classes.gradzip.CompressedAllreduce`` over the state's
-``c10d::ProcessGroup``, see bindings/torch/compressed_allreduce.hpp): two-phase all-to-all /
-all-gather with an fp32 sum for fp32/fp16/bf16/int8/sign, all-gather of fixed-size payloads for
-top-k. This module keeps the policy (warm-up, small buckets, the optimizer direction) and the state
-(:mod:`gradzip.collective`).
+``c10d::ProcessGroup``, see bindings/torch/bucket_reduction.hpp): one all-reduce (SUM) of the
+16-bit payload for fp16/bf16 (``cast_sum="wire"``, the default), two-phase all-to-all /
+all-gather with an fp32 sum for int8/sign/fp32 and for the casts with ``cast_sum="fp32"``,
+all-gather of fixed-size payloads for top-k. This module keeps the policy (warm-up, small buckets,
+the optimizer direction) and the state (:mod:`gradzip.collective`).
 
 :class:`SimulatedWorkers` runs the same C++ phases for W workers in one process, the collectives
-done in memory: its result equals the multi-rank hook's bit for bit (warm-up and small buckets,
-which go through a plain fp32 all-reduce whose summation order is the backend's, match to fp32
-rounding).
+done in memory: its result equals the multi-rank hook's bit for bit, except where the backend
+sums: the casts' one all-reduce (``cast_sum="wire"``; equal to the wire dtype's rounding of a
+W-term sum, see collective.run_simulated) and warm-up and small buckets (a plain fp32 all-reduce;
+equal to fp32 rounding).
 """
 
 import logging
@@ -45,8 +47,7 @@ class _Config:
     simulation and gradzip.fsdp: warm-up steps and small buckets go uncompressed."""
 
     def __init__(self, codec: str, error_feedback: bool, warmup_steps: int, min_compress_numel: int,
-                 guard_nonfinite: bool, optimizer=None):
-        self.plan = CodecPlan.parse(codec)
+                 guard_nonfinite: bool, optimizer=None, cast_sum: Optional[str] = None):
         self.direction = None
         if optimizer is not None:
             direction = getattr(optimizer, "direction", None)
@@ -62,6 +63,15 @@ class _Config:
                              "uncompressed warm-up steps before it freezes it: warmup_steps must "
                              "be >= 1 (about the learning rate's warm-up)")
         self.error_feedback = bool(error_feedback)
+        # The owner residual exists only where one rank forms the sum in fp32 (the two-phase path).
+        if cast_sum is None:
+            cast_sum = "fp32" if self.wants_owner_residual else "wire"
+        self.plan = CodecPlan.parse(codec, cast_sum)
+        if self.wants_owner_residual and self.plan.wire_sum:
+            raise ValueError(f"gradzip: {type(optimizer).__name__} with error feedback keeps the "
+                             f"residual of the summed {self.plan.kind}, which needs the two-phase "
+                             "fp32 sum: cast_sum='wire' sums in the wire dtype inside the backend; "
+                             "use cast_sum='fp32' (or leave it unset)")
         self.warmup_steps = int(warmup_steps)
         self.min_compress_numel = int(min_compress_numel)
         self.guard_nonfinite = bool(guard_nonfinite)
@@ -71,7 +81,8 @@ class _Config:
         return self.plan.spec
 
     def describe(self, world: int) -> str:
-        return (f"codec={self.plan.spec} error_feedback={int(self.error_feedback)} "
+        return (f"codec={self.plan.spec} cast_sum={self.plan.cast_sum} "
+                f"error_feedback={int(self.error_feedback)} "
                 f"warmup_steps={self.warmup_steps} min_compress_numel={self.min_compress_numel} "
                 f"guard_nonfinite={int(self.guard_nonfinite)} world={world} direction="
                 f"{'none' if self.direction is None else self.direction.describe()}")
@@ -79,6 +90,13 @@ class _Config:
     def compresses(self, step: int, n: int, world: int) -> bool:
         # n >= world: every shard of a two-phase bucket holds at least one element.
         return world > 1 and step >= self.warmup_steps and n >= max(self.min_compress_numel, world, 1)
+
+    @property
+    def wants_owner_residual(self) -> bool:
+        """The owner's second residual on the reduced shard of a two-phase bucket: measured to help
+        only where an optimizer direction is compressed (on raw gradients it compounds the two
+        errors)."""
+        return self.error_feedback and self.direction is not None
 
     @property
     def keeps_state(self) -> bool:
@@ -95,9 +113,7 @@ class _Config:
         if not self.error_feedback and not moments:
             return None
         owner = None
-        if self.error_feedback and self.plan.two_phase and self.direction is not None:
-            # The owner's second residual on the reduced shard: measured to help only where an
-            # optimizer direction is compressed (on raw gradients it compounds the two errors).
+        if self.wants_owner_residual and self.plan.two_phase:
             bounds = shard_bounds(layout[0], world)
             owner = (bounds[rank], bounds[rank + 1] - bounds[rank])
         return store.get(index, layout, self.error_feedback, owner, moments, device)
@@ -184,6 +200,16 @@ class CompressionState(_ReducerState):
             that optimizer sends around the collective (its moments kept here, with the residuals)
             and leaves in the bucket what ``optimizer.step()`` applies. None: the gradient itself
             is compressed (for torch's optimizers).
+        cast_sum: where fp16/bf16 buckets are summed. ``"wire"``: each rank encodes its whole
+            bucket (error feedback into its residual) and one all-reduce (SUM) of the 16-bit
+            payloads runs in the backend, in the wire dtype; one collective, but the sum is rounded
+            in the backend's order (replicas stay identical: every rank gets the backend's
+            result), and no owner residual exists. ``"fp32"``: the two-phase exchange (all-to-all,
+            fp32 sum by each shard's owner in rank order, all-gather): fp32 accumulation in a fixed
+            order, bitwise identical on every backend and equal to :class:`SimulatedWorkers` bit
+            for bit. None (default): ``"wire"``, or ``"fp32"`` with ``optimizer`` and error
+            feedback, whose owner residual needs the fp32 sum (``"wire"`` there is a ValueError).
+            Other codecs are not affected.
 
     The first hook call checks, with one small all-gather, that every rank uses the same
     configuration, and raises ``ValueError`` on all ranks naming the difference (instead of hanging
@@ -210,9 +236,9 @@ class CompressionState(_ReducerState):
 
     def __init__(self, codec: str, process_group=None, error_feedback: bool = True,
                  warmup_steps: int = 0, min_compress_numel: int = MIN_COMPRESS_NUMEL,
-                 guard_nonfinite: bool = True, optimizer=None):
+                 guard_nonfinite: bool = True, optimizer=None, cast_sum: Optional[str] = None):
         super().__init__(_Config(codec, error_feedback, warmup_steps, min_compress_numel,
-                                 guard_nonfinite, optimizer))
+                                 guard_nonfinite, optimizer, cast_sum))
         self.process_group = process_group
         self._ef = StateStore()
         self._keys = _ParameterKeys()
@@ -266,7 +292,8 @@ class CompressionState(_ReducerState):
             group = self._group()
             require_same_config(self.config.describe(group.size()), group, device, "gradzip.ddp")
             self._runtime = torch.classes.gradzip.CompressedAllreduce(
-                reducing_group(group, device).group_name, self.config.codec, self._guard)
+                reducing_group(group, device).group_name, self.config.codec, self._guard,
+                self.config.plan.cast_sum)
             self._world, self._rank = group.size(), group.rank()
             self._drop_state_of_another_world()
         return self._runtime
@@ -410,18 +437,22 @@ class SimulatedWorkers:
     Each call reduces one bucket (``bucket_index``, default 0); ``is_last=True`` (the default) ends
     the step, as DDP's last bucket does: the step count advances, ``stats`` is updated and, with
     ``guard_nonfinite``, the residual updates of the step are kept or (if any bucket of the step was
-    not finite) undone. Compressed buckets equal the multi-rank hook bit for bit; warm-up steps and
-    buckets below ``min_compress_numel`` (a plain fp32 all-reduce on real ranks, whose summation
-    order is the backend's) are summed here in rank order of ``g / W``: equal to fp32 rounding.
+    not finite) undone. Compressed buckets equal the multi-rank hook bit for bit where gradzip sums
+    (every codec, and fp16/bf16 with ``cast_sum="fp32"``). fp16/bf16 with ``cast_sum="wire"`` (the
+    default) are summed by the backend in the wire dtype, in its own order: simulated here as the
+    fp32 sum in rank order rounded once to the wire dtype, equal to the hook to the wire dtype's
+    rounding of a W-term sum (the residuals equal it bit for bit). Warm-up steps and buckets below
+    ``min_compress_numel`` (a plain fp32 all-reduce on real ranks, whose summation order is the
+    backend's) are summed here in rank order of ``g / W``: equal to fp32 rounding.
     """
 
     def __init__(self, codec: str, world_size: int, error_feedback: bool = True,
-                 warmup_steps: int = 0, min_compress_numel: int = MIN_COMPRESS_NUMEL, guard_nonfinite: bool = True,
-                 optimizer=None):
+                 warmup_steps: int = 0, min_compress_numel: int = MIN_COMPRESS_NUMEL,
+                 guard_nonfinite: bool = True, optimizer=None, cast_sum: Optional[str] = None):
         if int(world_size) < 1:
             raise ValueError(f"gradzip: world_size must be >= 1, got {world_size}")
         self.config = _Config(codec, error_feedback, warmup_steps, min_compress_numel, guard_nonfinite,
-                              optimizer)
+                              optimizer, cast_sum)
         self.world_size = int(world_size)
         self.step = 0
         self._ef = [StateStore() for _ in range(self.world_size)]
@@ -505,7 +536,7 @@ class SimulatedWorkers:
         if key not in self._reductions:
             self._reductions[key] = [
                 torch.classes.gradzip.BucketReduction(self.config.codec, self.world_size, r,
-                                                      list(numels), like)
+                                                      list(numels), like, self.config.plan.cast_sum)
                 for r in range(self.world_size)]
         return self._reductions[key]
 

@@ -145,9 +145,10 @@ class FSDPCompressionState(_ReducerState):
     def __init__(self, codec: str, error_feedback: bool = True, warmup_steps: int = 0,
                  min_compress_numel: int = MIN_COMPRESS_NUMEL, guard_nonfinite: bool = True,
                  param_codec: Optional[str] = None):
-        # the settings, their checks and the warm-up / small-group policy are the DDP hook's
+        # the settings, their checks and the warm-up / small-group policy are the DDP hook's; the
+        # reduce-scatter sums every codec in fp32
         super().__init__(_Config(codec, error_feedback, warmup_steps, min_compress_numel,
-                                 guard_nonfinite))
+                                 guard_nonfinite, cast_sum="fp32"))
         self.param_codec = None if param_codec is None else _param_codec(param_codec)
         # the parameter all-gathers' bytes since construction (CompressedAllGather adds to it)
         self._gather_traffic = {"bytes_sent": 0, "raw_bytes": 0}

@@ -24,6 +24,17 @@ KINDS = ("fp32", "fp16", "bf16", "int8", "sign", "topk")
 # and the cost model take it from here.
 MIN_COMPRESS_NUMEL = 4096
 
+CAST_SUMS = ("wire", "fp32")  # CompressionState(cast_sum=...): where fp16/bf16 buckets are summed
+
+
+def sums_on_wire(kind: str, cast_sum: str) -> bool:
+    """Whether an all-reduced bucket of this codec kind is summed by one all-reduce of its 16-bit
+    payload (fp16/bf16 with cast_sum "wire"), rather than by the two-phase fp32 sum or top-k's
+    all-gather (bindings/torch/bucket_reduction.hpp, BucketLayout::wire_sum)."""
+    if cast_sum not in CAST_SUMS:
+        raise ValueError(f"gradzip: cast_sum must be one of {CAST_SUMS}, got {cast_sum!r}")
+    return kind in ("fp16", "bf16") and cast_sum == "wire"
+
 
 def valid_block(block: int) -> bool:
     """int8/sign block sizes: multiples of 32 in [32, 65536]."""

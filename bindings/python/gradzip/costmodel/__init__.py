@@ -6,8 +6,8 @@ latency, beta: goodput of one link direction, links full duplex):
   ring all-reduce of S bytes      2 (p-1) alpha + 2 (p-1)/p * S / beta
   ring all-gather, s bytes each     (p-1) alpha +   (p-1)   * s / beta
   pairwise all-to-all, s per peer   (p-1) alpha +   (p-1)   * s / beta
-  two-phase (int8, sign)          all-to-all of encoded shards, then all-gather of the re-encoded
-                                  shard: ~2 E(n) bytes whatever p is
+  two-phase (int8, sign; fp16 and  all-to-all of encoded shards, then all-gather of the re-encoded
+  bf16 with cast_sum="fp32")      shard: ~2 E(n) bytes whatever p is
 
 plus the codec's own compute (fused error-feedback encode, decode-add), from measured throughput
 (`measure_codec_speed`, through gradzip's ops) or from a memory-bandwidth parameter and the bytes
@@ -15,10 +15,11 @@ each pass must move. Buckets are communicated one after the other; the model giv
 spends communicating if nothing overlaps with the backward pass (an upper bound on the step's
 overhead) and the bytes each rank sends.
 
-The collective each hook uses follows gradzip.collective: two-phase for gradzip's fp32, fp16,
-bf16, int8 and sign (fp32 accumulation; the casts move the same bytes as a 16-bit ring
-all-reduce), all-gather of fixed-size payloads for top-k, and buckets under `min_compress_numel`
-elements as a plain fp32 all-reduce. PyTorch's hooks: `none` is DDP's fp32 ring all-reduce,
+The collective each hook uses follows gradzip.collective: gradzip's fp16 and bf16 (cast_sum
+"wire", the hook's default) as one 16-bit ring all-reduce of the payload, as PyTorch's 16-bit
+hooks (the header is not sent); two-phase for fp32, int8, sign and the casts with cast_sum "fp32"
+(fp32 accumulation, plus a header per shard); all-gather of fixed-size payloads for top-k; and
+buckets under `min_compress_numel` elements as a plain fp32 all-reduce. PyTorch's hooks: `none` is DDP's fp32 ring all-reduce,
 `torch-fp16`/`torch-bf16` a 16-bit all-reduce, PowerSGD three all-reduces per bucket
 (uncompressed tensors, P, Q).
 
@@ -45,7 +46,9 @@ TORCH_HOOKS = {"none": "fp32", "allreduce": "fp32", "torch-fp16": "fp16", "torch
 class Codec:
     """A parsed codec or hook name: gradzip's fp32 | fp16 | bf16 | int8[:block=N] | sign[:block=N]
     | topk:RATIO[:values=fp16], or PyTorch's none | torch-fp16 | torch-bf16 | powersgd[:RANK].
-    collective: allreduce | two_phase | allgather | powersgd."""
+    collective: allreduce (PyTorch's hooks) | cast_allreduce | two_phase | allgather | powersgd.
+    cast_sum: gradzip's fp16/bf16 as ``CompressionState(cast_sum=...)`` ("wire": cast_allreduce,
+    one 16-bit all-reduce of the payload; "fp32": two_phase)."""
 
     kind: str
     collective: str = "two_phase"
@@ -55,13 +58,13 @@ class Codec:
     rank: int = 0  # powersgd
 
     @staticmethod
-    def parse(name: str) -> "Codec":
+    def parse(name: str, cast_sum: str = "wire") -> "Codec":
         name = name.strip()
         if name in TORCH_HOOKS:
             return Codec(TORCH_HOOKS[name], collective="allreduce")
         head, *opts = name.split(":")
         if head in ("fp32", "fp16", "bf16") and not opts:
-            return Codec(head)
+            return Codec(head, "cast_allreduce" if wire.sums_on_wire(head, cast_sum) else "two_phase")
         if head in ("int8", "sign"):
             block = wire.DEFAULT_INT8_BLOCK if head == "int8" else wire.DEFAULT_SIGN_BLOCK
             for o in opts:
@@ -236,7 +239,7 @@ def codec_compute_s(codec: Codec, n: int, p: int, speed: CodecSpeed | None) -> f
         return 0.0  # PowerSGD's matmuls are not modelled
     if codec.kind == "fp32" and codec.collective == "allreduce":
         return 0.0  # DDP's own all-reduce: no codec
-    if codec.collective == "allreduce":  # 16-bit hooks: cast down, cast back
+    if codec.collective in ("allreduce", "cast_allreduce"):  # 16-bit: cast down, cast back
         return n / speed.encode_ef + n / speed.decode_add
     if codec.collective == "two_phase":
         shard = wire.ceil_div(n, p)
@@ -301,6 +304,8 @@ def bucket_cost(codec: Codec, shapes: Sequence[Shape], p: int, link: Link,
         comm = ring_allreduce((4 if codec.kind == "fp32" else 2) * n, p, link)
     elif n < max(min_compress_numel, p, 1):  # gradzip sends small buckets uncompressed
         return ring_allreduce(4 * n, p, link)
+    elif c == "cast_allreduce":  # the payload's 16-bit values; the header stays home
+        comm = ring_allreduce(2 * n, p, link)
     elif c == "two_phase":
         comm = two_phase(codec, n, p, link)
     elif c == "allgather":

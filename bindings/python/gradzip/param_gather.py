@@ -51,7 +51,9 @@ class CompressedAllGather(AllGather):
                  check=None):
         self.codec = param_codec(codec)
         self._chunks, self._traffic = chunks, traffic
-        self._check = check  # called with (group, device) before the first compressed all-gather
+        # called with (group, device) before every compressed all-gather; the state it belongs to
+        # runs its configuration check once (FSDPCompressionState._check_config)
+        self._check = check
         self._world, self._messages = 0, []
 
     def _layout(self, world: int) -> list:
@@ -82,7 +84,6 @@ class CompressedAllGather(AllGather):
                              f"{elements} per rank (parameters changed after compress()?)")
         if self._check is not None:
             self._check(group, input_tensor.device)
-            self._check = None
         slot = sum(s for _, _, s in messages)
         mine = torch.zeros(slot, dtype=torch.uint8, device=input_tensor.device)
         x = input_tensor.reshape(-1)

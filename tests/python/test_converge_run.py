@@ -118,6 +118,25 @@ def test_frozen_variance_run_counts_its_uncompressed_warmup(tmp_path):
     assert resumed["abs_rel"] == res["abs_rel"]
 
 
+def test_a_bf16_warmup_counts_half_the_warmup_bytes(tmp_path):
+    """``+wN:bf16``: the warm-up steps' buckets travel in bf16 (counted so), the compressed steps
+    after it send what an fp32 warm-up's send."""
+    torch.set_num_threads(1)
+    fp32 = replace(TINY, codec="sign", optimizer="frozen-variance-adamw", compress_warmup=4)
+    cfg = replace(fp32, warmup_codec="bf16")
+    assert cfg.name == "sign+frozen-variance-adamw+w4:bf16"
+    data = load_data(cfg)
+    res = train_simulated(cfg, tmp_path / "a", data, torch.device("cpu"))
+    ref = train_simulated(fp32, tmp_path / "b", data, torch.device("cpu"))
+    steps = read_jsonl(RunFiles(tmp_path / "a", cfg).steps)
+    fp32_steps = read_jsonl(RunFiles(tmp_path / "b", fp32).steps)
+    assert all(0.45 < r["bytes"] / r["raw_bytes"] < 0.55 for r in steps[:4])
+    assert [r["bytes"] for r in steps[4:]] == [r["bytes"] for r in fp32_steps[4:]]
+    assert res["compression_ratio"] > ref["compression_ratio"]
+    assert res["steady_ratio"] == ref["steady_ratio"]
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in steps)
+
+
 def test_result_under_another_code_version_is_redone(tmp_path):
     torch.set_num_threads(1)
     cfg = replace(TINY, steps=4)

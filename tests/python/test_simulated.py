@@ -99,6 +99,36 @@ def test_warmup_and_small_buckets_are_plain_averages():
     assert torch.equal(sim.reduce(small, bucket_index=1), sum(g / world for g in small))
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_warmup_codec_carries_the_warmup_without_feedback(world):
+    """bf16 warm-up steps: the float64 average of the gradients to bf16's rounding (each rank's
+    g / W rounded once, their sum rounded once), no residual, a 16-bit all-reduce's bytes; the
+    codec's steps after it are those of an fp32 warm-up bit for bit (no state carries over)."""
+    n, warm = 4099, 2
+    sim = SimulatedWorkers("sign", world, warmup_steps=warm, warmup_codec="bf16")
+    plain = SimulatedWorkers("sign", world, warmup_steps=warm)
+    for step in range(warm + 2):
+        gs = grads(world, n, seed=step)
+        got, want = sim.reduce(gs), plain.reduce(gs)
+        if step < warm:
+            exact = sum(g.double() for g in gs) / world
+            bound = 2 * 2.0 ** -8 * sum(g.double().abs() for g in gs) / world
+            assert ((got.double() - exact).abs() <= bound).all()
+            assert not torch.equal(got, want)  # it is not the fp32 average
+            assert all(float(r.abs().max()) == 0 for r in sim.residuals())
+            assert sim.stats["bytes_sent"] == traffic(CodecPlan.parse("bf16"), (n,), world, 0)[0]
+            assert sim.stats["bytes_sent"] < 0.6 * plain.stats["bytes_sent"]
+        else:
+            assert torch.equal(got, want) and sim.stats == plain.stats
+
+
+def test_a_warmup_codec_needs_a_warmup_and_a_valid_spec():
+    with pytest.raises(ValueError, match="warmup_steps"):
+        SimulatedWorkers("sign", 2, warmup_codec="bf16")
+    with pytest.raises(ValueError, match="zstd"):
+        SimulatedWorkers("sign", 2, warmup_steps=1, warmup_codec="zstd")
+
+
 def test_stats_count_the_wire_bytes():
     world, n = 4, 10000
     sim = SimulatedWorkers("int8", world)

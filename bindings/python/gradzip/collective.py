@@ -92,11 +92,11 @@ class TrafficStats:
         return {"bytes_sent": 0, "bytes_received": 0, "raw_bytes": 0, "buckets": 0,
                 "compressed_buckets": 0}
 
-    def add(self, plan, numels, world, rank, compressed):
-        """One all-reduced bucket."""
+    def add(self, plan, numels, world, rank):
+        """One all-reduced bucket, carried by ``plan`` (None: the fp32 all-reduce)."""
         numels = tuple(numels)
-        sent, received = traffic(plan if compressed else None, numels, world, rank)
-        self.add_bytes(sent, received, traffic(None, numels, world, rank)[0], compressed)
+        sent, received = traffic(plan, numels, world, rank)
+        self.add_bytes(sent, received, traffic(None, numels, world, rank)[0], plan is not None)
 
     def add_bytes(self, sent: int, received: int, raw: int, compressed: bool):
         a = self._acc
@@ -238,6 +238,16 @@ class StateStore:
                     st.owner_residual[off + lo - st.owner_start:off + hi - st.owner_start].copy_(
                         src.owner_residual[soff + lo - src.owner_start:soff + hi - src.owner_start])
         return st
+
+    def drop_rank_state(self) -> None:
+        """Forgets the residuals (each rank's own, meaningless at another world size) and keeps
+        the moments; every bucket's state is then assembled afresh, parameter by parameter, at its
+        next use, with zero residuals."""
+        for st in self.buckets.values():
+            self._retired.append(st)
+        self.buckets = {}
+        for st in self._retired:
+            st.residual = st.owner_residual = None
 
     def _drop_claimed(self) -> None:
         live = {k for st in self.buckets.values() for k in st.offsets()}

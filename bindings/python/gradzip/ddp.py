@@ -47,7 +47,8 @@ class _Config:
     simulation and gradzip.fsdp: warm-up steps and small buckets go uncompressed."""
 
     def __init__(self, codec: str, error_feedback: bool, warmup_steps: int, min_compress_numel: int,
-                 guard_nonfinite: bool, optimizer=None, cast_sum: Optional[str] = None):
+                 guard_nonfinite: bool, optimizer=None, cast_sum: Optional[str] = None,
+                 warmup_codec: Optional[str] = None):
         self.direction = None
         if optimizer is not None:
             direction = getattr(optimizer, "direction", None)
@@ -73,6 +74,12 @@ class _Config:
                              "fp32 sum: cast_sum='wire' sums in the wire dtype inside the backend; "
                              "use cast_sum='fp32' (or leave it unset)")
         self.warmup_steps = int(warmup_steps)
+        # The warm-up's transport: the gradient itself (no error feedback: the warm-up is there to
+        # see exact averages, and a 16-bit rounding of the average is far below its noise), summed
+        # as the codec sums it; None: the plain fp32 all-reduce.
+        self.warmup_plan = None if warmup_codec is None else CodecPlan.parse(warmup_codec)
+        if self.warmup_plan is not None and self.warmup_steps < 1:
+            raise ValueError(f"gradzip: warmup_codec={warmup_codec!r} needs warmup_steps >= 1")
         self.min_compress_numel = int(min_compress_numel)
         self.guard_nonfinite = bool(guard_nonfinite)
 
@@ -83,13 +90,30 @@ class _Config:
     def describe(self, world: int) -> str:
         return (f"codec={self.plan.spec} cast_sum={self.plan.cast_sum} "
                 f"error_feedback={int(self.error_feedback)} "
-                f"warmup_steps={self.warmup_steps} min_compress_numel={self.min_compress_numel} "
+                f"warmup_steps={self.warmup_steps} warmup_codec="
+                f"{'fp32' if self.warmup_plan is None else self.warmup_plan.spec} "
+                f"min_compress_numel={self.min_compress_numel} "
                 f"guard_nonfinite={int(self.guard_nonfinite)} world={world} direction="
                 f"{'none' if self.direction is None else self.direction.describe()}")
 
     def compresses(self, step: int, n: int, world: int) -> bool:
+        """Past the warm-up and big enough: the codec carries the bucket, with error feedback and
+        the optimizer's compressed direction."""
+        return world > 1 and step >= self.warmup_steps and self._big_enough(n, world)
+
+    def _big_enough(self, n: int, world: int) -> bool:
         # n >= world: every shard of a two-phase bucket holds at least one element.
-        return world > 1 and step >= self.warmup_steps and n >= max(self.min_compress_numel, world, 1)
+        return n >= max(self.min_compress_numel, world, 1)
+
+    def transport(self, step: int, n: int, world: int) -> Optional[CodecPlan]:
+        """The codec that carries a bucket of ``n`` elements at ``step``: the codec once
+        compressing, the warm-up codec (if any) during the warm-up, else None (an fp32 all-reduce
+        of the average)."""
+        if self.compresses(step, n, world):
+            return self.plan
+        if self.warmup_plan is not None and world > 1 and self._big_enough(n, world):
+            return self.warmup_plan
+        return None
 
     @property
     def wants_owner_residual(self) -> bool:
@@ -187,7 +211,13 @@ class CompressionState(_ReducerState):
         codec: codec spec, e.g. ``"int8"``, ``"sign:block=1024"``, ``"topk:0.01"``, ``"bf16"``.
         process_group: the group to reduce over (None: the default group).
         error_feedback: keep residuals (``c = g + e; e = c - decode(encode(c))``).
-        warmup_steps: the first steps run uncompressed (plain all-reduce average).
+        warmup_steps: the first steps run uncompressed (plain all-reduce average, or
+            ``warmup_codec``'s).
+        warmup_codec: a codec spec (e.g. ``"bf16"``) that carries the warm-up steps' buckets,
+            without error feedback and with the optimizer's uncompressed direction (for
+            FrozenVarianceAdamW: the averaged gradient), summed as that codec sums (bf16: one
+            all-reduce in bf16); half the warm-up's bytes for a 16-bit rounding of the average.
+            None (default): the fp32 all-reduce.
         min_compress_numel: buckets with fewer elements run uncompressed (DDP's first bucket after
             the rebuild is small; headers and latency dominate there).
         guard_nonfinite: when any reduced bucket of a step holds Inf/NaN (an AMP overflow step,
@@ -236,14 +266,16 @@ class CompressionState(_ReducerState):
 
     def __init__(self, codec: str, process_group=None, error_feedback: bool = True,
                  warmup_steps: int = 0, min_compress_numel: int = MIN_COMPRESS_NUMEL,
-                 guard_nonfinite: bool = True, optimizer=None, cast_sum: Optional[str] = None):
+                 guard_nonfinite: bool = True, optimizer=None, cast_sum: Optional[str] = None,
+                 warmup_codec: Optional[str] = None):
         super().__init__(_Config(codec, error_feedback, warmup_steps, min_compress_numel,
-                                 guard_nonfinite, optimizer, cast_sum))
+                                 guard_nonfinite, optimizer, cast_sum, warmup_codec))
         self.process_group = process_group
         self._ef = StateStore()
         self._keys = _ParameterKeys()
         self._resumed_step = None  # the step a checkpoint was loaded at (see _reduce_as_saved)
         self._world = self._rank = None  # known at the first hook call
+        self._warmup_runtime = None  # the warm-up codec's CompressedAllreduce, if any
         self._saved_world = None  # the world size a loaded checkpoint was saved at, if known
         if optimizer is not None:
             optimizer.attached = True
@@ -272,6 +304,7 @@ class CompressionState(_ReducerState):
     def __getstate__(self):
         d = super().__getstate__()
         d["process_group"] = None
+        d["_warmup_runtime"] = None
         return d
 
     def __setstate__(self, d):
@@ -291,39 +324,56 @@ class CompressionState(_ReducerState):
         if self._runtime is None:
             group = self._group()
             require_same_config(self.config.describe(group.size()), group, device, "gradzip.ddp")
+            name = reducing_group(group, device).group_name
             self._runtime = torch.classes.gradzip.CompressedAllreduce(
-                reducing_group(group, device).group_name, self.config.codec, self._guard,
-                self.config.plan.cast_sum)
+                name, self.config.codec, self._guard, self.config.plan.cast_sum)
+            warm = self.config.warmup_plan
+            if warm is not None and self.step < self.config.warmup_steps:
+                self._warmup_runtime = torch.classes.gradzip.CompressedAllreduce(
+                    name, warm.spec, self._guard, warm.cast_sum)
             self._world, self._rank = group.size(), group.rank()
             self._drop_state_of_another_world()
         return self._runtime
 
     def _drop_state_of_another_world(self) -> None:
         """A checkpoint saved at another world size (an elastic restart with fewer or more ranks)
-        continues from zero residuals and moments: they are per rank (this rank's share of the
-        average, its shard of a bucket), and with another number of ranks they have no
-        counterpart. The step count is kept."""
+        continues from zero residuals: they are per rank (this rank's share of the average, its
+        shard of a bucket), and with another number of ranks they have no counterpart. Optimizer
+        moments computed from the average (FrozenVarianceAdamW's) are the same on every rank and
+        are kept (a frozen variance dropped past the warm-up would stay zero); per-rank moments
+        (CompressedSGD's velocity) go with the residuals. The step count is kept."""
         saved, self._saved_world = self._saved_world, None
         if saved is None or saved == self._world:
             return
+        direction = self.config.direction
+        keep = direction is not None and direction.moments_shared
         if self._ef.buckets:
+            what = ("its residuals are dropped (they are per rank; the optimizer moments, the "
+                    "same on every rank, are kept)" if keep else
+                    "its residuals and optimizer moments are dropped (they are per rank)")
             warnings.warn(f"gradzip: the CompressionState checkpoint was saved with world size "
-                          f"{saved}, this process group has {self._world} ranks: its residuals "
-                          f"and optimizer moments are dropped (they are per rank); training "
-                          f"continues from zero residuals at step {self.step}", stacklevel=3)
-        self._ef = StateStore()
+                          f"{saved}, this process group has {self._world} ranks: {what}; "
+                          f"training continues from zero residuals at step {self.step}",
+                          stacklevel=3)
+        if keep:
+            self._ef.drop_rank_state()
+        else:
+            self._ef = StateStore()
         self._resumed_step = None
 
-    def _reduce(self, index, bucket_view, x, layout, st, compressed):
+    def _reduce(self, index, bucket_view, x, layout, st):
         """Enqueues one reduction of ``x`` (the bucket's float32 values) in C++; returns its Future."""
-        cfg, numels = self.config, layout_numels(layout)
-        self._stats.add(cfg.plan, numels, self._world, self._rank, compressed)
+        cfg, numels, n = self.config, layout_numels(layout), layout[0]
+        compressed = cfg.compresses(self.step, n, self._world)
+        plan = cfg.transport(self.step, n, self._world)
+        self._stats.add(plan, numels, self._world, self._rank)
         if self._guard is not None:
             self._guard.save(_saved(st))  # before any update: an overflow step undoes all
         cfg.apply_direction(x, st, compressed)
-        fut = self._runtime.reduce(index, bucket_view, x, numels,
-                                   None if st is None else st.residual,
-                                   None if st is None else st.owner_residual, compressed)
+        # Residuals belong to the codec's steps only: a warm-up codec sends without feedback.
+        residuals = (st.residual, st.owner_residual) if st is not None and compressed else (None,) * 2
+        fut = self._runtime_of_step().reduce(index, bucket_view, x, numels, *residuals,
+                                             plan is not None)
         if cfg.direction is None:
             return fut
 
@@ -336,6 +386,15 @@ class CompressionState(_ReducerState):
             return [out]
 
         return fut.then(finish)
+
+    def _runtime_of_step(self):
+        """The warm-up codec's reduction for every bucket of a warm-up step (those it does not
+        compress too: one object's thread issues a step's collectives, in order), else the codec's.
+        Steps never overlap (DDP waits for a step's Futures before the next backward pass)."""
+        if self._warmup_runtime is not None and self.step < self.config.warmup_steps:
+            return self._warmup_runtime
+        self._warmup_runtime = None  # the warm-up is over: its buffers go
+        return self._runtime
 
 
 class _ParameterKeys:
@@ -380,12 +439,12 @@ def _reduce_dense(state, bucket, buf):
     cover = state._ef.covering(layout) if resuming else None
     if cover is not None:
         return _reduce_as_saved(state, buf, layout, cover)
-    compressed = cfg.compresses(state.step, buf.numel(), world)
+    encoded = cfg.transport(state.step, buf.numel(), world) is not None
     st = cfg.bucket_state(state._ef, bucket.index(), layout, world, rank, buf.device)
     # bf16/fp16 buckets are upcast for the codecs and the direction (the state is fp32)
-    keep = buf.dtype == torch.float32 or (not compressed and cfg.direction is None)
+    keep = buf.dtype == torch.float32 or (not encoded and cfg.direction is None)
     x = buf if keep else buf.float()
-    return state._reduce(bucket.index(), buf, x, layout, st, compressed)
+    return state._reduce(bucket.index(), buf, x, layout, st)
 
 
 def _reduce_sparse(state, buf):
@@ -414,7 +473,7 @@ def _reduce_as_saved(state, buf, layout, cover):
         index = index.to(buf.device)
         part = x.index_select(0, index)
         st = cfg.bucket_state(state._ef, i, saved, world, rank, buf.device)
-        futs.append(state._reduce(i, part, part, saved, st, cfg.compresses(state.step, saved[0], world)))
+        futs.append(state._reduce(i, part, part, saved, st))
         parts.append((index, part))
 
     def scatter(_):
@@ -448,11 +507,12 @@ class SimulatedWorkers:
 
     def __init__(self, codec: str, world_size: int, error_feedback: bool = True,
                  warmup_steps: int = 0, min_compress_numel: int = MIN_COMPRESS_NUMEL,
-                 guard_nonfinite: bool = True, optimizer=None, cast_sum: Optional[str] = None):
+                 guard_nonfinite: bool = True, optimizer=None, cast_sum: Optional[str] = None,
+                 warmup_codec: Optional[str] = None):
         if int(world_size) < 1:
             raise ValueError(f"gradzip: world_size must be >= 1, got {world_size}")
         self.config = _Config(codec, error_feedback, warmup_steps, min_compress_numel, guard_nonfinite,
-                              optimizer, cast_sum)
+                              optimizer, cast_sum, warmup_codec)
         self.world_size = int(world_size)
         self.step = 0
         self._ef = [StateStore() for _ in range(self.world_size)]
@@ -501,14 +561,15 @@ class SimulatedWorkers:
         layout = (n, tuple((k, (m,)) for k, m in zip(keys, numels)))
         numels = layout_numels(layout)  # as the hook: zero-size tensors carry nothing
         compressed = cfg.compresses(self.step, n, world)
-        self._stats.add(cfg.plan, numels, world, 0, compressed)
+        plan = cfg.transport(self.step, n, world)
+        self._stats.add(plan, numels, world, 0)
         states = [cfg.bucket_state(self._ef[r], bucket_index, layout, world, r, flats[r].device)
                   for r in range(world)]
         for r in range(world):
             if self._guards[r] is not None:
                 self._guards[r].save(_saved(states[r]))
             cfg.apply_direction(flats[r], states[r], compressed)
-        if not compressed:
+        if plan is None:
             out = torch.zeros_like(flats[0])
             for f in flats:
                 out += f / world
@@ -517,7 +578,8 @@ class SimulatedWorkers:
                 out.clone() for _ in range(world - 1)]
         else:
             outs = [torch.empty_like(f) for f in flats]
-            run_simulated(self._bucket_reductions(bucket_index, numels, flats[0]), flats, states, outs)
+            run_simulated(self._bucket_reductions(plan, bucket_index, numels, flats[0]), flats,
+                          states if compressed else [None] * world, outs)
         for o, st in zip(outs, states):
             cfg.finish_direction(o, st, compressed)
         for g, o in zip(self._guards, outs):
@@ -531,12 +593,12 @@ class SimulatedWorkers:
             self.step += 1
         return outs[0]
 
-    def _bucket_reductions(self, index, numels, like):
-        key = (index, tuple(numels), like.device)
+    def _bucket_reductions(self, plan, index, numels, like):
+        key = (plan, index, tuple(numels), like.device)
         if key not in self._reductions:
             self._reductions[key] = [
-                torch.classes.gradzip.BucketReduction(self.config.codec, self.world_size, r,
-                                                      list(numels), like, self.config.plan.cast_sum)
+                torch.classes.gradzip.BucketReduction(plan.spec, self.world_size, r, list(numels),
+                                                      like, plan.cast_sum)
                 for r in range(self.world_size)]
         return self._reductions[key]
 

@@ -82,6 +82,9 @@ class _Direction:
 
     buffers = 0
     needs_warmup = False  # True: CompressionState's warmup_steps must be >= 1
+    # True: the moments are computed from the average alone, so they are the same on every rank
+    # and stay valid at another world size (an elastic restart keeps them).
+    moments_shared = False
 
     def apply_(self, g: torch.Tensor, moments: list, t: int, warmup_steps: int,
                compressed: bool) -> torch.Tensor:
@@ -125,6 +128,7 @@ class FrozenVarianceAdam(_Direction):
 
     buffers = 2
     needs_warmup = True  # v is measured on exactly averaged gradients before it freezes
+    moments_shared = True  # m and v are the average's (finish_), identical on every rank
 
     def __init__(self, betas=(0.9, 0.999), eps: float = 1e-8):
         b1, b2 = float(betas[0]), float(betas[1])

@@ -172,6 +172,9 @@ def _main(argv=None) -> int:
     require("matplotlib", "converge")
     suite = get_suite(args.suite)
     configs = with_seeds(select(suite.configs(**overrides(args)), args.codecs), args.seeds)
+    if args.strategy == "fsdp" and any(c.warmup_codec for c in configs):
+        raise SystemExit("a warm-up codec (+wN:CODEC runs) applies to the all-reduce; under "
+                         "--strategy fsdp the warm-up is FSDP's own reduce-scatter")
     device = torch.device(args.device or suite.device)
     setup_process(device, args.threads)
     if device.type == "cuda" and not torch.cuda.is_available():

@@ -53,12 +53,13 @@ class Reducer:
 
     ``optimizer``: a gradzip.optim optimizer, whose direction is then computed around the
     collective (the reduce returns what that optimizer's step applies). ``warmup_steps``: the
-    first steps are averaged uncompressed (and counted as such in the bytes)."""
+    first steps are averaged uncompressed, or in ``warmup_codec`` (and counted as such in the
+    bytes)."""
 
     def __init__(self, codec: str, workers: int, error_feedback: bool = True,
                  param_numels: list[int] | None = None, bucket_cap_mb: float = 25.0,
                  first_bucket_bytes: int = FIRST_BUCKET_BYTES, warmup_steps: int = 0,
-                 optimizer=None):
+                 optimizer=None, warmup_codec: str | None = None):
         from gradzip.ddp import SimulatedWorkers  # compiled extension: imported only here
 
         self.codec = canonical_codec(codec)
@@ -71,7 +72,7 @@ class Reducer:
         self._sim = SimulatedWorkers(self.codec, workers, error_feedback=error_feedback and not
                                      baseline, min_compress_numel=_NEVER if baseline else
                                      MIN_COMPRESS_NUMEL, warmup_steps=warmup_steps,
-                                     optimizer=optimizer)
+                                     optimizer=optimizer, warmup_codec=warmup_codec)
         self.bytes_per_step = 0  # bytes one worker sent in the last step
         self.raw_bytes_per_step = 0  # what an uncompressed fp32 ring all-reduce would send
 

@@ -58,7 +58,8 @@ class _DDP:
         self.state = CompressionState(
             cfg.codec, error_feedback=cfg.error_feedback and not baseline,
             min_compress_numel=_NEVER if baseline else MIN_COMPRESS_NUMEL,
-            warmup_steps=compress_warmup_steps(cfg), optimizer=hook_optimizer(self.opt))
+            warmup_steps=compress_warmup_steps(cfg), optimizer=hook_optimizer(self.opt),
+            warmup_codec=cfg.warmup_codec)
         self.forward.register_comm_hook(self.state, compress_hook)
 
 

@@ -15,8 +15,11 @@ STUDY = (("fp32", False), ("bf16", True), ("fp16", True), ("int8", True), ("sign
 # runs): the frozen-variance Adam over compressed momentum after an uncompressed warm-up as long as
 # the learning rate's, with and without error feedback.
 FROZEN = {"optimizer": "frozen-variance-adamw", "compress_warmup": 60}
+# The same with the warm-up's buckets in bf16 (half its bytes).
+FROZEN_BF16 = dict(FROZEN, warmup_codec="bf16")
 RECIPES = (("fp32", False), ("sign", True, FROZEN), ("sign", False, FROZEN),
-           ("topk:0.01:values=fp16", True, FROZEN), ("topk:0.01:values=fp16", False, FROZEN))
+           ("topk:0.01:values=fp16", True, FROZEN), ("topk:0.01:values=fp16", False, FROZEN),
+           ("sign", True, FROZEN_BF16), ("topk:0.01:values=fp16", True, FROZEN_BF16))
 
 
 @dataclass(frozen=True)
@@ -47,7 +50,8 @@ SUITES = {
         "cpu-recipes",
         CPU_DEFAULT, RECIPES, "cpu",
         "cpu-default's sign and top-k 1 % under the frozen-variance Adam (60 uncompressed "
-        "steps), with and without error feedback, named by optimizer and warm-up"),
+        "steps, or 60 steps in bf16: +w60:bf16), with and without error feedback, named by "
+        "optimizer and warm-up"),
     "cpu-smoke": Suite(
         "cpu-smoke",
         RunConfig(model="vit-t14", image_size=56, workers=2, batch_per_worker=2, steps=30,

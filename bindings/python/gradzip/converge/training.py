@@ -55,6 +55,8 @@ class RunConfig:
     optimizer: str = "recipe"  # one of OPTIMIZERS, or "recipe": gradzip.optim.compresses_direction's
     compress_warmup: int | None = None  # the first steps uncompressed (exact fp32 averages, bytes
     # counted); None: the optimizer's need (compress_warmup_steps)
+    warmup_codec: str | None = None  # the warm-up's buckets in this codec (e.g. bf16; no error
+    # feedback, bytes counted); None: fp32
     param_codec: str | None = None  # FSDP only: its parameter all-gathers in this codec
     seed: int = 0
     data: str = "procedural"  # or nyu:FILE / kitti:DEPTH,RAW / folder:DIR
@@ -74,6 +76,7 @@ class RunConfig:
         if self.optimizer != "recipe":
             name += f"+{self.optimizer}"
         name += f"+w{self.compress_warmup}" if self.compress_warmup is not None else ""
+        name += f":{canonical_codec(self.warmup_codec)}" if self.warmup_codec else ""
         return name + (f"+params={self.param_codec}" if self.param_codec else "")
 
 
@@ -327,7 +330,8 @@ def train_simulated(cfg: RunConfig, out: Path, data: tuple[dict, dict], device: 
     opt, sched = make_optimizer(cfg, model)
     reducer = Reducer(cfg.codec, cfg.workers, cfg.error_feedback,
                       param_numels=[p.numel() for p in params], bucket_cap_mb=cfg.bucket_cap_mb,
-                      warmup_steps=compress_warmup_steps(cfg), optimizer=hook_optimizer(opt))
+                      warmup_steps=compress_warmup_steps(cfg), optimizer=hook_optimizer(opt),
+                      warmup_codec=cfg.warmup_codec)
     start, wall = 0, 0.0
     if (state := files.load_checkpoint()) is not None:
         model.load_state_dict(state["model"])

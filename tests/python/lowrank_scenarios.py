@@ -62,9 +62,10 @@ def reference_run(rank, world, outdir, steps, error_feedback=True, bucket_cap_mb
     outs, sims = [], []
     for step in range(steps):
         outs.append(_step(ddp, grads(SHAPES, step, rank, seed)))
-        every = [torch.cat([g.reshape(-1) for g in grads(SHAPES, step, r, seed)]) for r in range(world)]
+        every = [torch.cat([g.reshape(-1) for g in grads(SHAPES, step, r, seed)])
+                 for r in range(world)]
         flat = sim.reduce(every, shapes=SHAPES, keys=_keys(state, ddp))
-        sims.append(list(flat.split([g.numel() for g in outs[-1][:len(SHAPES)]])))
+        sims.append(list(flat.split([g.numel() for g in outs[-1]])))
     torch.save({"outs": outs, "sims": sims, "keys": _keys(state, ddp), "stats": state.stats},
                os.path.join(outdir, f"reference_{bucket_cap_mb}_{rank}.pt"))
 

@@ -150,6 +150,31 @@ def test_nonfinite_step_keeps_residual_and_q():
     assert all(torch.equal(x, y) for x, y in zip(before, after))
 
 
+def test_cost_model_counts_two_allreduces():
+    from gradzip.costmodel import Codec, Link, bucket_cost, ring_allreduce
+
+    shapes, link = [(64, 48), (48,), (32, 3, 3), (6, 6)], Link(10.0)
+    # P: 64*2 + 32*2 with the uncompressed 48 + 36 appended; Q: 48*2 + 9*2
+    expect = (ring_allreduce(4 * (128 + 64 + 48 + 36), 4, link)
+              + ring_allreduce(4 * (96 + 18), 4, link))
+    got = bucket_cost(Codec.parse("lowrank:2"), shapes, 4, link, min_compress_numel=0)
+    assert got.seconds == pytest.approx(expect.seconds) and got.sent_bytes == expect.sent_bytes
+    assert got.messages == expect.messages
+    with pytest.raises(ValueError, match="lowrank:RANK"):
+        Codec.parse("lowrank:0")
+
+
+def test_convergence_harness_accepts_lowrank():
+    from gradzip.converge.cli import select
+    from gradzip.converge.suites import get_suite
+
+    suite = get_suite("cpu-smoke")
+    runs = select(suite.configs(), "lowrank:2", suite.base)
+    assert [(c.codec, c.error_feedback) for c in runs] == [("lowrank:2", True)]
+    with pytest.raises(SystemExit, match="lowrank:0"):
+        select(suite.configs(), "lowrank:0", suite.base)
+
+
 @pytest.mark.parametrize("spec,part", [("lowrank", "needs its rank"), ("lowrank:0", "'0'"),
                                        ("lowrank:x", "'x'"), ("lowrank:2:1", "'2:1'"),
                                        ("lowrank:-3", "'-3'")])

@@ -9,7 +9,8 @@ The reduction is C++ (``torch.classes.gradzip.CompressedAllreduce`` over the sta
 ``c10d::ProcessGroup``, see bindings/torch/bucket_reduction.hpp): one all-reduce (SUM) of the
 16-bit payload for fp16/bf16 (``cast_sum="wire"``, the default), two-phase all-to-all /
 all-gather with an fp32 sum for int8/sign/fp32 and for the casts with ``cast_sum="fp32"``,
-all-gather of fixed-size payloads for top-k. This module keeps the policy (warm-up, small buckets,
+all-gather of fixed-size payloads for top-k, two fp32 all-reduces of low-rank factors for
+``lowrank:R`` (bindings/torch/lowrank_reduction.hpp). This module keeps the policy (warm-up, small buckets,
 the optimizer direction) and the state (:mod:`gradzip.collective`).
 
 :class:`SimulatedWorkers` runs the same C++ phases for W workers in one process, the collectives
@@ -189,7 +190,9 @@ class CompressionState(_ReducerState):
     """State of :func:`compress_hook`, one per DDP model (like PowerSGDState).
 
     Args:
-        codec: codec spec, e.g. ``"int8"``, ``"sign:block=1024"``, ``"topk:0.01"``, ``"bf16"``.
+        codec: codec spec, e.g. ``"int8"``, ``"sign:block=1024"``, ``"topk:0.01"``, ``"bf16"``,
+            ``"lowrank:4"`` (PowerSGD's rank-4 approximation of each matrix, warm-started; its Q
+            factors are kept with the residuals).
         process_group: the group to reduce over (None: the default group).
         error_feedback: keep residuals (``c = g + e; e = c - decode(encode(c))``).
         warmup_steps: the first steps run uncompressed (plain all-reduce average).
@@ -451,7 +454,9 @@ class SimulatedWorkers:
     fp32 sum in rank order rounded once to the wire dtype, equal to the hook to the wire dtype's
     rounding of a W-term sum (the residuals equal it bit for bit). Warm-up steps and buckets below
     ``min_compress_numel`` (a plain fp32 all-reduce on real ranks, whose summation order is the
-    backend's) are summed here in rank order of ``g / W``: equal to fp32 rounding.
+    backend's) are summed here in rank order of ``g / W``: equal to fp32 rounding. ``lowrank:R``
+    (give the tensors' ``shapes=``) sums its two all-reduces in rank order: equal to the hook bit
+    for bit at W = 2, to fp32 rounding above.
     """
 
     def __init__(self, codec: str, world_size: int, error_feedback: bool = True,

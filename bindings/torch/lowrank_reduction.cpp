@@ -18,7 +18,8 @@ namespace {
 constexpr int64_t kGramSchmidtMaxRank = 2;
 
 // Orthonormalises the columns of `m` (rows x r) in place. A zero column stays zero (its norm is
-// clamped) rather than turning the bucket into NaN: a frozen or unused parameter has such a gradient.
+// clamped) rather than turning the bucket into NaN: a frozen or unused parameter has such a
+// gradient.
 void orthonormalise(const at::Tensor& m) {
   const int64_t r = m.size(1);
   if (r > kGramSchmidtMaxRank) {
@@ -129,11 +130,12 @@ void LowRankReduction::compute_p(const at::Tensor& x, const at::Tensor& residual
   if (residual.defined()) x.add_(residual);
   for (const Piece& piece : pieces_) {
     if (piece.rank == 0) {
-      p.narrow(0, piece.p_offset, piece.rows * piece.cols).copy_(x.narrow(0, piece.offset, piece.rows * piece.cols));
+      const int64_t m = piece.rows * piece.cols;
+      p.narrow(0, piece.p_offset, m).copy_(x.narrow(0, piece.offset, m));
       continue;
     }
-    // Orthonormal Q (as PyTorch's hook): the span of M Q is the same, but its columns, which Q = M^T P
-    // last step scaled by the singular values, no longer differ by orders of magnitude.
+    // Orthonormal Q (as PyTorch's hook): the span of M Q is the same, but its columns, which
+    // Q = M^T P scaled by the singular values last step, no longer differ by orders of magnitude.
     const at::Tensor qf = q_factor(q, piece);
     orthonormalise(qf);
     at::Tensor pf = p_factor(piece);
@@ -152,7 +154,8 @@ void LowRankReduction::compute_q(const at::Tensor& x, const at::Tensor& q) {
   }
 }
 
-void LowRankReduction::finish(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& q) {
+void LowRankReduction::finish(const at::Tensor& x, const at::Tensor& residual,
+                              const at::Tensor& q) {
   check(x, residual, q);
   for (const Piece& piece : pieces_) {
     at::Tensor m = matrix(x, piece);

@@ -42,8 +42,9 @@ class LowRankReduction {
   LowRankReduction(int64_t rank, int64_t world, const std::vector<int64_t>& numels,
                    const std::vector<int64_t>& rows, const at::TensorOptions& options);
 
-  // x: the bucket's float32 values (left holding M); residual: numel of x, or undefined (no error
-  // feedback); q: this bucket's Q factors (lowrank_sizes().second elements), identical on every rank.
+  // x: the bucket's float32 values (left holding M after compute_p, the average after finish);
+  // residual: numel of x, or undefined (no error feedback); q: this bucket's Q factors
+  // (lowrank_sizes().second elements), identical on every rank.
   void compute_p(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& q);
   void compute_q(const at::Tensor& x, const at::Tensor& q);
   void finish(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& q);

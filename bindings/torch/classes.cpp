@@ -4,9 +4,12 @@
 //                                                    group of that name
 //   BucketReduction(codec, world, rank, numels, like, cast_sum="wire")   one rank's phases,
 //                                                    exchange done by the caller
+//   LowRankReduction(rank, world, numels, rows, like)   one rank's phases of lowrank:R, the
+//                                                    all-reduces done by the caller
 //   NonfiniteGuard()
 // and the layout's sizes as ops (gradzip::bucket_traffic, reduce_scatter_traffic, fp32_traffic,
-// shard_starts).
+// shard_starts, lowrank_sizes; lowrank_rank_of parses a lowrank spec: its R, or 0 for another
+// codec).
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -35,6 +38,22 @@ class PyBucketReduction : public torch::CustomClassHolder {
           parse_cast_sum(cast_sum)) {}
   BucketReduction r;
 };
+
+class PyLowRankReduction : public torch::CustomClassHolder {
+ public:
+  PyLowRankReduction(int64_t rank, int64_t world, const std::vector<int64_t>& numels,
+                     const std::vector<int64_t>& rows, const at::Tensor& like)
+      : r(rank, world, numels, rows, like.options()) {}
+  LowRankReduction r;
+};
+
+std::vector<int64_t> lowrank_sizes_op(int64_t rank, const std::vector<int64_t>& numels,
+                                      const std::vector<int64_t>& rows) {
+  const auto [p, q] = lowrank_sizes(rank, numels, rows);
+  return {p, q};
+}
+
+int64_t lowrank_rank_of(const std::string& spec) { return parse_lowrank(spec).value_or(0); }
 
 std::vector<int64_t> traffic_of(const std::string& spec, int64_t world, int64_t rank,
                                 const std::vector<int64_t>& numels, Collective collective,
@@ -91,7 +110,29 @@ TORCH_LIBRARY_FRAGMENT(gradzip, m) {
               const std::optional<at::Tensor>& residual, double prescale) -> c10::IValue {
              return self->reduce_scatter(index, output, x, numels, or_undefined(residual), prescale);
            })
+      .def("reduce_lowrank",
+           [](const c10::intrusive_ptr<CompressedAllreduce>& self, int64_t index,
+              const at::Tensor& bucket, const at::Tensor& x, const std::vector<int64_t>& numels,
+              const std::vector<int64_t>& rows, const std::optional<at::Tensor>& residual,
+              const at::Tensor& q) -> c10::IValue {
+             return self->reduce_lowrank(index, bucket, x, numels, rows, or_undefined(residual), q);
+           })
       .def("check_errors", &CompressedAllreduce::check_errors);
+
+  using LowRank = c10::intrusive_ptr<PyLowRankReduction>;
+  m.class_<PyLowRankReduction>("LowRankReduction")
+      .def(torch::init<int64_t, int64_t, std::vector<int64_t>, std::vector<int64_t>, at::Tensor>(),
+           "", {torch::arg("rank"), torch::arg("world"), torch::arg("numels"), torch::arg("rows"),
+                torch::arg("like")})
+      .def("p", [](const LowRank& s) { return s->r.p; })
+      .def("compute_p", [](const LowRank& s, const at::Tensor& x,
+                           const std::optional<at::Tensor>& residual,
+                           const at::Tensor& q) { s->r.compute_p(x, or_undefined(residual), q); })
+      .def("compute_q", [](const LowRank& s, const at::Tensor& x,
+                           const at::Tensor& q) { s->r.compute_q(x, q); })
+      .def("finish", [](const LowRank& s, const at::Tensor& x,
+                        const std::optional<at::Tensor>& residual,
+                        const at::Tensor& q) { s->r.finish(x, or_undefined(residual), q); });
 
   m.class_<PyBucketReduction>("BucketReduction")
       .def(torch::init<std::string, int64_t, int64_t, std::vector<int64_t>, at::Tensor, std::string>(),
@@ -128,4 +169,6 @@ TORCH_LIBRARY_FRAGMENT(gradzip, m) {
         &reduce_scatter_traffic);
   m.def("fp32_traffic(int n, int world) -> int", &fp32_traffic);
   m.def("shard_starts(int n, int world) -> int[]", &shard_starts);
+  m.def("lowrank_sizes(int rank, int[] numels, int[] rows) -> int[]", &lowrank_sizes_op);
+  m.def("lowrank_rank_of(str spec) -> int", &lowrank_rank_of);
 }

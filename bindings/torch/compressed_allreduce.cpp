@@ -19,7 +19,10 @@ CompressedAllreduce::CompressedAllreduce(c10::intrusive_ptr<c10d::ProcessGroup> 
                                          c10::intrusive_ptr<NonfiniteGuard> guard,
                                          CastSum cast_sum)
     : group_(std::move(group)),
-      codec_(guarded("compressed_allreduce", [&] { return Codec::parse(codec); })),
+      lowrank_(parse_lowrank(codec)),
+      codec_(lowrank_ ? std::nullopt : std::optional<Codec>(guarded("compressed_allreduce", [&] {
+        return Codec::parse(codec);
+      }))),
       guard_(std::move(guard)),
       cast_sum_(cast_sum) {
   TORCH_CHECK_VALUE(group_, "gradzip: compressed_allreduce needs a process group");
@@ -57,13 +60,19 @@ void CompressedAllreduce::serve(const std::shared_ptr<Queue>& queue) {
   }
 }
 
+const Codec& CompressedAllreduce::codec() const {
+  TORCH_CHECK_VALUE(codec_, "gradzip: a lowrank:", lowrank_.value_or(0),
+                    " reduction compresses with reduce_lowrank, not reduce / reduce_scatter");
+  return *codec_;
+}
+
 std::shared_ptr<BucketReduction> CompressedAllreduce::bucket_reduction(
     int64_t index, const std::vector<int64_t>& numels, const at::Tensor& x, Collective collective) {
   auto& cached = buckets_[index];
   if (!cached.reduction || cached.numels != numels ||
       cached.reduction->layout().collective != collective ||
       cached.reduction->gathered.device() != x.device())
-    cached = {numels, std::make_shared<BucketReduction>(codec_, world(), rank(), numels,
+    cached = {numels, std::make_shared<BucketReduction>(codec(), world(), rank(), numels,
                                                         x.options(), collective, cast_sum_)};
   return cached.reduction;
 }
@@ -109,7 +118,7 @@ c10::intrusive_ptr<c10::ivalue::Future> CompressedAllreduce::reduce(
   std::shared_ptr<BucketReduction> r =
       compress ? bucket_reduction(index, numels, x, Collective::allreduce) : nullptr;
   TORCH_CHECK_VALUE(!owner_residual.defined() || !r || !r->wire_sum(),
-                    "gradzip: an owner residual needs the two-phase sum; ", codec_.name(),
+                    "gradzip: an owner residual needs the two-phase sum; ", codec().name(),
                     " buckets are summed by one all-reduce in the wire dtype (cast_sum 'fp32' "
                     "keeps the two-phase sum)");
   const bool copy_back = !bucket.is_same(x);
@@ -119,6 +128,33 @@ c10::intrusive_ptr<c10::ivalue::Future> CompressedAllreduce::reduce(
       run(*group, *r, x, residual, owner_residual);
     else
       allreduce_average(*group, x);
+    if (guard) guard->flag(x);
+    if (copy_back) bucket.copy_(x);
+  });
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> CompressedAllreduce::reduce_lowrank(
+    int64_t index, const at::Tensor& bucket, const at::Tensor& x, const std::vector<int64_t>& numels,
+    const std::vector<int64_t>& rows, const at::Tensor& residual, const at::Tensor& q) {
+  TORCH_CHECK_VALUE(lowrank_, "gradzip: reduce_lowrank needs a lowrank:R reduction, this one is ",
+                    codec().name());
+  TORCH_CHECK_VALUE(bucket.numel() == x.numel() && bucket.device() == x.device(),
+                    "gradzip: the bucket and its float32 values must match in size and device");
+  auto& cached = lowrank_buckets_[index];
+  if (!cached.reduction || cached.numels != numels || cached.rows != rows ||
+      cached.reduction->p.device() != x.device())
+    cached = {numels, rows,
+              std::make_shared<LowRankReduction>(*lowrank_, world(), numels, rows, x.options())};
+  const bool copy_back = !bucket.is_same(x);
+  return launch(index, bucket, nullptr, [group = group_, guard = guard_, r = cached.reduction,
+                                         bucket, x, residual, q, copy_back] {
+    r->compute_p(x, residual, q);
+    std::vector<at::Tensor> p{r->p};
+    group->allreduce(p)->wait();
+    r->compute_q(x, q);
+    std::vector<at::Tensor> qs{q};
+    group->allreduce(qs)->wait();
+    r->finish(x, residual, q);
     if (guard) guard->flag(x);
     if (copy_back) bucket.copy_(x);
   });

@@ -31,11 +31,13 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <unordered_map>
 #include <vector>
 
 #include "bucket_reduction.hpp"
+#include "lowrank_reduction.hpp"
 #include "nonfinite_guard.hpp"
 
 namespace gradzip::torch_ext {
@@ -61,6 +63,17 @@ class CompressedAllreduce : public torch::CustomClassHolder {
                                                  const std::vector<int64_t>& numels,
                                                  const at::Tensor& residual,
                                                  const at::Tensor& owner_residual, bool compress);
+
+  // The low-rank average of `bucket` for a "lowrank:R" object (lowrank_reduction.hpp): two
+  // all-reduces on the same thread / stream as reduce(). `rows`: each tensor's first dimension
+  // (its numel for a 1-D tensor). `q`: the bucket's Q factors, the warm start, identical on every
+  // rank; left holding the new ones. Warm-up steps and small buckets use reduce(compress = false).
+  c10::intrusive_ptr<c10::ivalue::Future> reduce_lowrank(int64_t index, const at::Tensor& bucket,
+                                                         const at::Tensor& x,
+                                                         const std::vector<int64_t>& numels,
+                                                         const std::vector<int64_t>& rows,
+                                                         const at::Tensor& residual,
+                                                         const at::Tensor& q);
 
   // FSDP's gradient reduce-scatter: `x` (float32, world * output.numel(), shard j for rank j at
   // [j * S, (j + 1) * S)) is encoded as x * prescale with error feedback into `residual` (numel of x,
@@ -104,8 +117,12 @@ class CompressedAllreduce : public torch::CustomClassHolder {
   void watch_decodes(const BucketReduction& r, const at::Tensor& result, int64_t index);
   void submit(std::function<void()> job);
 
+  // The codec reduce() compresses with, or the rank of a "lowrank:R" object (which has no codec).
+  const Codec& codec() const;
+
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
-  Codec codec_;
+  std::optional<int64_t> lowrank_;
+  std::optional<Codec> codec_;
   c10::intrusive_ptr<NonfiniteGuard> guard_;
   CastSum cast_sum_;
   struct Cached {
@@ -113,6 +130,11 @@ class CompressedAllreduce : public torch::CustomClassHolder {
     std::shared_ptr<BucketReduction> reduction;
   };
   std::unordered_map<int64_t, Cached> buckets_;  // touched by the caller's thread only
+  struct CachedLowRank {
+    std::vector<int64_t> numels, rows;
+    std::shared_ptr<LowRankReduction> reduction;
+  };
+  std::unordered_map<int64_t, CachedLowRank> lowrank_buckets_;  // likewise
   // CUDA: one per reduced bucket, true once its decode status words were read (throws if bad).
   std::vector<std::function<bool()>> pending_checks_;
   std::mutex checks_mutex_;

@@ -18,6 +18,7 @@ StateStore.get), so residuals and moments survive a re-bucketing.
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import List, Optional, Sequence, Tuple
@@ -33,14 +34,15 @@ class CodecPlan:
     """A parsed codec spec and the collective its all-reduce uses."""
 
     spec: str  # canonical spec string
-    kind: str  # fp32 | fp16 | bf16 | int8 | sign | topk
+    kind: str  # fp32 | fp16 | bf16 | int8 | sign | topk | lowrank
     cast_sum: str = "wire"  # wire | fp32 (see wire.sums_on_wire)
 
     @staticmethod
     def parse(spec: str, cast_sum: str = "wire") -> "CodecPlan":
         if not isinstance(spec, str):
             raise TypeError(f"gradzip: codec spec must be a str, got {type(spec).__name__}")
-        canonical = _ops.canonical_spec(spec)
+        rank = _ops.lowrank_rank_of(spec)  # a ValueError naming the bad part of a lowrank spec
+        canonical = f"lowrank:{rank}" if rank else _ops.canonical_spec(spec)
         return CodecPlan(canonical, canonical.split(":", 1)[0], cast_sum)
 
     def __post_init__(self):
@@ -55,7 +57,13 @@ class CodecPlan:
     def two_phase(self) -> bool:
         """All-to-all + all-gather with an fp32 sum (int8, sign, fp32, and the casts with
         cast_sum "fp32"; top-k all-gathers)."""
-        return self.kind != "topk" and not self.wire_sum
+        return self.kind not in ("topk", "lowrank") and not self.wire_sum
+
+    @property
+    def lowrank_rank(self) -> int:
+        """R of lowrank:R (two all-reduces of low-rank factors, see lowrank_reduction.hpp); 0 for
+        the other codecs."""
+        return int(self.spec.split(":", 1)[1]) if self.kind == "lowrank" else 0
 
 
 @lru_cache(maxsize=1024)
@@ -65,13 +73,19 @@ def shard_bounds(n: int, world: int) -> Tuple[int, ...]:
 
 
 @lru_cache(maxsize=4096)
-def traffic(plan: Optional[CodecPlan], numels: Tuple[int, ...], world: int, rank: int):
-    """Bytes (sent, received) by one rank for one bucket holding tensors of ``numels`` elements;
-    plan None = fp32 all-reduce (counted as a ring all-reduce: 2 (W-1)/W of the buffer each way)."""
+def traffic(plan: Optional[CodecPlan], numels: Tuple[int, ...], world: int, rank: int,
+            rows: Optional[Tuple[int, ...]] = None):
+    """Bytes (sent, received) by one rank for one bucket holding tensors of ``numels`` elements
+    (``rows``: their first dimensions, for lowrank); plan None = fp32 all-reduce (counted as a ring
+    all-reduce: 2 (W-1)/W of the buffer each way)."""
     if world == 1:
         return 0, 0
     if plan is None:
         b = _ops.fp32_traffic(sum(numels), world)
+        return b, b
+    if plan.kind == "lowrank":  # two fp32 ring all-reduces: P with the uncompressed tensors, Q
+        p, q = _ops.lowrank_sizes(plan.lowrank_rank, list(numels), list(rows or numels))
+        b = _ops.fp32_traffic(p, world) + _ops.fp32_traffic(q, world)
         return b, b
     sent, received = _ops.bucket_traffic(plan.spec, world, rank, list(numels), plan.cast_sum)
     return sent, received
@@ -92,10 +106,12 @@ class TrafficStats:
         return {"bytes_sent": 0, "bytes_received": 0, "raw_bytes": 0, "buckets": 0,
                 "compressed_buckets": 0}
 
-    def add(self, plan, numels, world, rank):
-        """One all-reduced bucket, carried by ``plan`` (None: the fp32 all-reduce)."""
+    def add(self, plan, numels, world, rank, rows=None):
+        """One all-reduced bucket, carried by ``plan`` (None: the fp32 all-reduce; ``rows``: see
+        traffic)."""
         numels = tuple(numels)
-        sent, received = traffic(plan, numels, world, rank)
+        rows = None if rows is None else tuple(rows)
+        sent, received = traffic(plan, numels, world, rank, rows)
         self.add_bytes(sent, received, traffic(None, numels, world, rank)[0], plan is not None)
 
     def add_bytes(self, sent: int, received: int, raw: int, compressed: bool):
@@ -128,6 +144,37 @@ def layout_numels(layout: Layout) -> List[int]:
     return [m for m in numels if m > 0] or [n]
 
 
+def layout_rows(layout: Layout) -> List[int]:
+    """The first dimension of each tensor layout_numels lists (a 1-D tensor's numel, as for
+    unknown shapes): lowrank views a tensor as a (rows, numel / rows) matrix."""
+    n, params = layout
+    if not params or sum(math.prod(s) for _, s in params) != n:
+        return [n]
+    rows = [shape[0] if len(shape) >= 2 else math.prod(shape) for _, shape in params
+            if math.prod(shape) > 0]
+    return rows or [n]
+
+
+def q_offsets(layout: Layout, rank: int) -> dict:
+    """key -> (offset, numel, cols) of each parameter's Q factor (cols x r) in its bucket's flat Q,
+    for lowrank:``rank``; parameters sent uncompressed have none."""
+    out, off = {}, 0
+    for key, (_, m, shape) in param_offsets(layout).items():
+        rows = shape[0] if len(shape) >= 2 else m
+        q = _ops.lowrank_sizes(rank, [m], [rows])[1] if m else 0
+        if q:
+            out[key] = (off, q, m // rows)
+            off += q
+    return out
+
+
+def initial_q(key, cols: int, rank: int) -> torch.Tensor:
+    """The first Q of a parameter (before the warm start takes over): Gaussian, from a seed that
+    depends on the parameter's key only, so that every rank draws the same without a broadcast."""
+    g = torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+    return torch.randn(cols, rank, generator=g).reshape(-1)
+
+
 def param_offsets(layout: Layout) -> dict:
     """key -> (offset in the bucket, numel, shape) for the parameters a layout describes (empty
     if its shapes do not add up to the bucket, i.e. are unknown)."""
@@ -145,29 +192,37 @@ class BucketState:
     """What one rank keeps for one bucket between steps: ``residual`` (n, error feedback; absent
     without it), ``owner_residual`` (the shard this rank owns in a two-phase collective, kept only
     where an optimizer direction is compressed; ``owner_start`` is its offset in the bucket) and
-    ``moments`` (the buffers of an optimizer direction computed on this rank, see gradzip.optim)."""
+    ``moments`` (the buffers of an optimizer direction computed on this rank, see gradzip.optim);
+    ``q``: lowrank:``q_rank``'s Q factors of the bucket's parameters (see q_offsets), the warm start
+    of the next step, identical on every rank."""
 
-    __slots__ = ("layout", "residual", "owner_residual", "owner_start", "moments", "updates")
+    __slots__ = ("layout", "residual", "owner_residual", "owner_start", "moments", "updates", "q",
+                 "q_rank")
 
     def __init__(self, layout, residual, owner_residual=None, owner_start: int = 0, moments=(),
-                 updates: int = 0):
+                 updates: int = 0, q=None, q_rank: int = 0):
         self.layout = layout
         self.residual = residual
         self.owner_residual = owner_residual
         self.owner_start = int(owner_start)
         self.moments = list(moments)
         self.updates = updates  # steps the moments have seen (bias correction)
+        self.q, self.q_rank = q, int(q_rank)
 
     def tensors(self) -> list:
-        return [self.residual, self.owner_residual, *self.moments]
+        return [self.residual, self.owner_residual, *self.moments, self.q]
 
     def to(self, device) -> None:
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         self.residual, self.owner_residual = move(self.residual), move(self.owner_residual)
         self.moments = [move(t) for t in self.moments]
+        self.q = move(self.q)
 
     def offsets(self) -> dict:
         return param_offsets(self.layout)
+
+    def q_offsets(self) -> dict:
+        return q_offsets(self.layout, self.q_rank) if self.q_rank else {}
 
 
 class StateStore:
@@ -182,12 +237,13 @@ class StateStore:
         self._retired: list = []  # replaced buckets whose parameters may still move elsewhere
 
     def get(self, index: int, layout: Layout, residual: bool, owner: Optional[Tuple[int, int]],
-            moments: int, device) -> BucketState:
-        """``owner``: (start, size) of this rank's shard if it keeps an owner residual, else None."""
+            moments: int, device, q_rank: int = 0) -> BucketState:
+        """``owner``: (start, size) of this rank's shard if it keeps an owner residual, else None.
+        ``q_rank``: R of lowrank:R (the bucket keeps Q factors), else 0."""
         n = layout[0]
         st = self.buckets.get(index)
         if st is None or st.layout != layout:
-            st = self._assemble(layout, residual, owner, moments, device)
+            st = self._assemble(layout, residual, owner, moments, device, q_rank)
             old = self.buckets.pop(index, None)
             if old is not None:
                 self._retired.append(old)
@@ -201,19 +257,25 @@ class StateStore:
             st.to(device)  # loaded from a checkpoint elsewhere
         have_owner = None if st.owner_residual is None else (st.owner_start, st.owner_residual.numel())
         if ((st.residual is not None) != residual or have_owner != (None if owner is None else tuple(owner))
-                or len(st.moments) != moments
+                or len(st.moments) != moments or st.q_rank != q_rank
                 or any(t.numel() != n for t in [st.residual, *st.moments] if t is not None)):
             raise ValueError(f"gradzip: bucket {index}: the stored state does not fit this "
                              "error-feedback/optimizer setting (checkpoint from another "
                              "configuration?)")
         return st
 
-    def _assemble(self, layout, residual, owner, moments, device) -> BucketState:
+    def _assemble(self, layout, residual, owner, moments, device, q_rank) -> BucketState:
         n = layout[0]
         zeros = lambda m: torch.zeros(m, dtype=torch.float32, device=device)  # noqa: E731
         st = BucketState(layout, zeros(n) if residual else None,
                          None if owner is None else zeros(owner[1]),
-                         0 if owner is None else owner[0], [zeros(n) for _ in range(moments)])
+                         0 if owner is None else owner[0], [zeros(n) for _ in range(moments)],
+                         q_rank=q_rank)
+        if q_rank:
+            qs = st.q_offsets()
+            st.q = zeros(sum(m for _, m, _ in qs.values()))
+            for key, (off, m, cols) in qs.items():
+                st.q[off:off + m].copy_(initial_q(key, cols, m // cols))
         sources = list(self.buckets.values()) + self._retired[::-1]  # live, then newest retired
         where = {}
         for src in sources:
@@ -237,6 +299,9 @@ class StateStore:
                 if hi > lo:
                     st.owner_residual[off + lo - st.owner_start:off + hi - st.owner_start].copy_(
                         src.owner_residual[soff + lo - src.owner_start:soff + hi - src.owner_start])
+            if st.q is not None and src.q_rank == st.q_rank and key in st.q_offsets():
+                (qoff, qm, _), (sqoff, _, _) = st.q_offsets()[key], src.q_offsets()[key]
+                st.q[qoff:qoff + qm].copy_(src.q[sqoff:sqoff + qm])
         return st
 
     def drop_rank_state(self) -> None:
@@ -274,7 +339,8 @@ class StateStore:
         clone = lambda t: None if t is None else t.detach().clone()  # noqa: E731
         return {i: {"layout": st.layout, "residual": clone(st.residual),
                     "owner_residual": clone(st.owner_residual), "owner_start": st.owner_start,
-                    "moments": [clone(t) for t in st.moments], "updates": st.updates}
+                    "moments": [clone(t) for t in st.moments], "updates": st.updates,
+                    "q": clone(st.q), "q_rank": st.q_rank}
                 for i, st in self.buckets.items()}
 
     def load_state_dict(self, d: dict) -> None:
@@ -283,7 +349,8 @@ class StateStore:
         self.buckets = {
             int(i): BucketState(_tuplify(v["layout"]), clone(v["residual"]),
                                 clone(v.get("owner_residual")), int(v.get("owner_start", 0)),
-                                [clone(t) for t in v.get("moments", [])], int(v.get("updates", 0)))
+                                [clone(t) for t in v.get("moments", [])], int(v.get("updates", 0)),
+                                clone(v.get("q")), int(v.get("q_rank", 0)))
             for i, v in d.items()}
 
 
@@ -324,3 +391,26 @@ def run_simulated(reductions: Sequence, xs: Sequence[torch.Tensor], states: Sequ
     for red, out in zip(reductions, outs):
         red.gathered().copy_(gathered)
         red.decode(out)
+
+
+def run_simulated_lowrank(reductions: Sequence, xs: Sequence[torch.Tensor], states: Sequence) -> None:
+    """Runs one C++ LowRankReduction per rank through its phases, each all-reduce done as the sum
+    of the W buffers in rank order: at W = 2 what every backend computes (a + b commutes), above it
+    equal to fp32 rounding (the backend's summation order is its own). ``xs`` are overwritten with
+    the average."""
+    for red, x, st in zip(reductions, xs, states):
+        red.compute_p(x, st.residual, st.q)
+    _sum_in_place([red.p() for red in reductions])
+    for red, x, st in zip(reductions, xs, states):
+        red.compute_q(x, st.q)
+    _sum_in_place([st.q for st in states])
+    for red, x, st in zip(reductions, xs, states):
+        red.finish(x, st.residual, st.q)
+
+
+def _sum_in_place(buffers: Sequence[torch.Tensor]) -> None:
+    total = torch.zeros_like(buffers[0])
+    for b in buffers:
+        total += b
+    for b in buffers:
+        b.copy_(total)

@@ -9,7 +9,8 @@ The reduction is C++ (``torch.classes.gradzip.CompressedAllreduce`` over the sta
 ``c10d::ProcessGroup``, see bindings/torch/bucket_reduction.hpp): one all-reduce (SUM) of the
 16-bit payload for fp16/bf16 (``cast_sum="wire"``, the default), two-phase all-to-all /
 all-gather with an fp32 sum for int8/sign/fp32 and for the casts with ``cast_sum="fp32"``,
-all-gather of fixed-size payloads for top-k. This module keeps the policy (warm-up, small buckets,
+all-gather of fixed-size payloads for top-k, two fp32 all-reduces of low-rank factors for
+``lowrank:R`` (bindings/torch/lowrank_reduction.hpp). This module keeps the policy (warm-up, small buckets,
 the optimizer direction) and the state (:mod:`gradzip.collective`).
 
 :class:`SimulatedWorkers` runs the same C++ phases for W workers in one process, the collectives
@@ -20,6 +21,7 @@ equal to fp32 rounding).
 """
 
 import logging
+import math
 import os
 import warnings
 from typing import List, Optional
@@ -29,8 +31,8 @@ import torch.distributed as dist
 
 from . import _ops  # noqa: F401  (loads the extension that defines torch.classes.gradzip)
 from ._groups import reducing_group, require_same_config
-from .collective import (CodecPlan, StateStore, TrafficStats, layout_numels, param_offsets,
-                         run_simulated, shard_bounds)
+from .collective import (CodecPlan, StateStore, TrafficStats, layout_numels, layout_rows,
+                         param_offsets, run_simulated, run_simulated_lowrank, shard_bounds)
 from .wire import MIN_COMPRESS_NUMEL
 
 __all__ = ["CompressionState", "compress_hook", "SimulatedWorkers"]
@@ -73,6 +75,9 @@ class _Config:
                              f"residual of the summed {self.plan.kind}, which needs the two-phase "
                              "fp32 sum: cast_sum='wire' sums in the wire dtype inside the backend; "
                              "use cast_sum='fp32' (or leave it unset)")
+        if self.plan.lowrank_rank and self.direction is not None:
+            raise ValueError(f"gradzip: {self.plan.spec} does not compute an optimizer direction "
+                             "(optimizer=): use a codec (int8, sign, ...) or leave optimizer unset")
         self.warmup_steps = int(warmup_steps)
         # The warm-up's transport: the gradient itself (no error feedback: the warm-up is there to
         # see exact averages, and a 16-bit rounding of the average is far below its noise), summed
@@ -80,6 +85,9 @@ class _Config:
         self.warmup_plan = None if warmup_codec is None else CodecPlan.parse(warmup_codec)
         if self.warmup_plan is not None and self.warmup_steps < 1:
             raise ValueError(f"gradzip: warmup_codec={warmup_codec!r} needs warmup_steps >= 1")
+        if self.warmup_plan is not None and self.warmup_plan.lowrank_rank:
+            raise ValueError("gradzip: warmup_codec must encode the gradient itself (fp16, bf16, "
+                             f"int8, ...), not {self.warmup_plan.spec}")
         self.min_compress_numel = int(min_compress_numel)
         self.guard_nonfinite = bool(guard_nonfinite)
 
@@ -124,7 +132,7 @@ class _Config:
 
     @property
     def keeps_state(self) -> bool:
-        return self.error_feedback or self.direction is not None
+        return self.error_feedback or self.direction is not None or self.plan.lowrank_rank > 0
 
     def new_guard(self):
         """A C++ NonfiniteGuard where there is state to protect, else None."""
@@ -134,13 +142,14 @@ class _Config:
     def bucket_state(self, store: StateStore, index: int, layout, world: int, rank: int, device):
         """This rank's state of one bucket, or None when it keeps none."""
         moments = 0 if self.direction is None else self.direction.buffers
-        if not self.error_feedback and not moments:
+        q_rank = self.plan.lowrank_rank  # lowrank keeps its Q factors with or without feedback
+        if not self.error_feedback and not moments and not q_rank:
             return None
         owner = None
         if self.wants_owner_residual and self.plan.two_phase:
             bounds = shard_bounds(layout[0], world)
             owner = (bounds[rank], bounds[rank + 1] - bounds[rank])
-        return store.get(index, layout, self.error_feedback, owner, moments, device)
+        return store.get(index, layout, self.error_feedback, owner, moments, device, q_rank)
 
     def apply_direction(self, x: torch.Tensor, st, compressed: bool) -> None:
         """Turns this rank's gradient ``x`` into what it sends for the optimizer, in place."""
@@ -208,7 +217,9 @@ class CompressionState(_ReducerState):
     """State of :func:`compress_hook`, one per DDP model (like PowerSGDState).
 
     Args:
-        codec: codec spec, e.g. ``"int8"``, ``"sign:block=1024"``, ``"topk:0.01"``, ``"bf16"``.
+        codec: codec spec, e.g. ``"int8"``, ``"sign:block=1024"``, ``"topk:0.01"``, ``"bf16"``,
+            ``"lowrank:4"`` (PowerSGD's rank-4 approximation of each matrix, warm-started; its Q
+            factors are kept with the residuals).
         process_group: the group to reduce over (None: the default group).
         error_feedback: keep residuals (``c = g + e; e = c - decode(encode(c))``).
         warmup_steps: the first steps run uncompressed (plain all-reduce average, or
@@ -363,12 +374,15 @@ class CompressionState(_ReducerState):
 
     def _reduce(self, index, bucket_view, x, layout, st):
         """Enqueues one reduction of ``x`` (the bucket's float32 values) in C++; returns its Future."""
-        cfg, numels, n = self.config, layout_numels(layout), layout[0]
+        cfg, numels, rows, n = self.config, layout_numels(layout), layout_rows(layout), layout[0]
         compressed = cfg.compresses(self.step, n, self._world)
         plan = cfg.transport(self.step, n, self._world)
-        self._stats.add(plan, numels, self._world, self._rank)
+        self._stats.add(plan, numels, self._world, self._rank, rows)
         if self._guard is not None:
             self._guard.save(_saved(st))  # before any update: an overflow step undoes all
+        if cfg.plan.lowrank_rank and compressed:
+            return self._runtime_of_step().reduce_lowrank(index, bucket_view, x, numels, rows,
+                                                          st.residual, st.q)
         cfg.apply_direction(x, st, compressed)
         # Residuals belong to the codec's steps only: a warm-up codec sends without feedback.
         residuals = (st.residual, st.owner_residual) if st is not None and compressed else (None,) * 2
@@ -502,7 +516,9 @@ class SimulatedWorkers:
     fp32 sum in rank order rounded once to the wire dtype, equal to the hook to the wire dtype's
     rounding of a W-term sum (the residuals equal it bit for bit). Warm-up steps and buckets below
     ``min_compress_numel`` (a plain fp32 all-reduce on real ranks, whose summation order is the
-    backend's) are summed here in rank order of ``g / W``: equal to fp32 rounding.
+    backend's) are summed here in rank order of ``g / W``: equal to fp32 rounding. ``lowrank:R``
+    (give the tensors' ``shapes=``) sums its two all-reduces in rank order: equal to the hook bit
+    for bit at W = 2, to fp32 rounding above.
     """
 
     def __init__(self, codec: str, world_size: int, error_feedback: bool = True,
@@ -537,9 +553,12 @@ class SimulatedWorkers:
                 for t in (st.residual, st.owner_residual) if t is not None]
 
     def reduce(self, grads: List[torch.Tensor], bucket_index=0, is_last: bool = True,
-               numels: Optional[List[int]] = None, keys: Optional[list] = None) -> torch.Tensor:
+               numels: Optional[List[int]] = None, keys: Optional[list] = None,
+               shapes: Optional[list] = None) -> torch.Tensor:
         """``numels``: the element counts of the tensors the bucket holds, in order (as DDP's
         ``bucket.parameters()``); block-scaled codecs restart their blocks at each boundary.
+        ``shapes``: instead of ``numels``, the tensors' shapes (lowrank views each as a matrix of
+        ``shape[0]`` rows; with numels every tensor is 1-D).
         ``keys``: one hashable per tensor naming its parameter, for buckets whose parameters move
         (the state follows the parameter, as in the hook); default ``(bucket_index, i)``."""
         world = self.world_size
@@ -552,17 +571,22 @@ class SimulatedWorkers:
         n = flats[0].numel()
         if any(f.numel() != n or f.device != flats[0].device for f in flats):
             raise ValueError("gradzip: all gradients must have the same numel and device")
+        if shapes is not None:
+            shapes = [tuple(int(d) for d in s) for s in shapes]
+            numels = [math.prod(s) for s in shapes]
         numels = [n] if numels is None else [int(m) for m in numels]
         if sum(numels) != n or any(m < 0 for m in numels):
             raise ValueError(f"gradzip: numels {numels} do not partition the {n} elements")
         keys = [(bucket_index, i) for i in range(len(numels))] if keys is None else list(keys)
         if len(keys) != len(numels) or len(set(keys)) != len(keys):
             raise ValueError(f"gradzip: keys must name each of the {len(numels)} tensors once")
-        layout = (n, tuple((k, (m,)) for k, m in zip(keys, numels)))
+        shapes = [(m,) for m in numels] if shapes is None else shapes
+        layout = (n, tuple(zip(keys, shapes)))
         numels = layout_numels(layout)  # as the hook: zero-size tensors carry nothing
+        rows = layout_rows(layout)
         compressed = cfg.compresses(self.step, n, world)
         plan = cfg.transport(self.step, n, world)
-        self._stats.add(plan, numels, world, 0)
+        self._stats.add(plan, numels, world, 0, rows)
         states = [cfg.bucket_state(self._ef[r], bucket_index, layout, world, r, flats[r].device)
                   for r in range(world)]
         for r in range(world):
@@ -576,6 +600,10 @@ class SimulatedWorkers:
             # each rank's own copy where the optimizer finishes it in place
             outs = [out] * world if cfg.direction is None else [out] + [
                 out.clone() for _ in range(world - 1)]
+        elif compressed and cfg.plan.lowrank_rank:
+            outs = [f.clone() for f in flats]  # reduced in place; flats may be the caller's grads
+            run_simulated_lowrank(self._lowrank_reductions(bucket_index, numels, rows, flats[0]),
+                                  outs, states)
         else:
             outs = [torch.empty_like(f) for f in flats]
             run_simulated(self._bucket_reductions(plan, bucket_index, numels, flats[0]), flats,
@@ -600,6 +628,16 @@ class SimulatedWorkers:
                 torch.classes.gradzip.BucketReduction(plan.spec, self.world_size, r, list(numels),
                                                       like, plan.cast_sum)
                 for r in range(self.world_size)]
+        return self._reductions[key]
+
+    def _lowrank_reductions(self, index, numels, rows, like):
+        key = (index, tuple(numels), tuple(rows), like.device)
+        if key not in self._reductions:
+            self._reductions[key] = [
+                torch.classes.gradzip.LowRankReduction(self.config.plan.lowrank_rank,
+                                                       self.world_size, list(numels), list(rows),
+                                                       like)
+                for _ in range(self.world_size)]
         return self._reductions[key]
 
     def state_dict(self) -> dict:

@@ -149,6 +149,9 @@ class FSDPCompressionState(_ReducerState):
         # reduce-scatter sums every codec in fp32
         super().__init__(_Config(codec, error_feedback, warmup_steps, min_compress_numel,
                                  guard_nonfinite, cast_sum="fp32"))
+        if self.config.plan.lowrank_rank:
+            raise ValueError(f"gradzip.fsdp: {self.config.plan.spec} is not available for FSDP's "
+                             "reduce-scatter yet (it is a DDP comm hook codec)")
         self.param_codec = None if param_codec is None else _param_codec(param_codec)
         # the parameter all-gathers' bytes since construction (CompressedAllGather adds to it)
         self._gather_traffic = {"bytes_sent": 0, "raw_bytes": 0}

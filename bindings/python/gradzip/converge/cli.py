@@ -33,7 +33,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, help="output folder (results, checkpoints, plots)")
     p.add_argument("--list", action="store_true", help="list the suites and exit")
     p.add_argument("--codecs", help="comma-separated subset of the suite's runs, e.g. fp32,int8,"
-                                    "sign-noef")
+                                    "sign-noef; a codec spec the suite lacks (lowrank:2) runs "
+                                    "on the suite's settings with error feedback")
     p.add_argument("--steps", type=int, help="override the number of training steps")
     p.add_argument("--workers", type=int, help="override the number of simulated workers")
     p.add_argument("--device", choices=("cpu", "cuda"), help="override the suite's device")
@@ -69,15 +70,31 @@ def overrides(args) -> dict:
     return {k: v for k, v in o.items() if v is not None}
 
 
-def select(configs: list[RunConfig], codecs: str | None) -> list[RunConfig]:
+def select(configs: list[RunConfig], codecs: str | None, base: RunConfig | None = None
+           ) -> list[RunConfig]:
+    """The suite's runs named in ``codecs``; a name that is not a run but a codec spec becomes a
+    run of ``base`` (the suite's settings) in that codec, with error feedback."""
     if not codecs:
         return configs
     wanted = [c.strip() for c in codecs.split(",") if c.strip()]
     names = {c.name: c for c in configs}
-    unknown = [w for w in wanted if w not in names]
+    extra = {w: replace(base, codec=w, error_feedback=True) for w in wanted
+             if w not in names and base is not None and _is_codec(w)}
+    unknown = [w for w in wanted if w not in names and w not in extra]
     if unknown:
-        raise SystemExit(f"--codecs: {', '.join(unknown)} not in this suite ({', '.join(names)})")
-    return [names[w] for w in wanted]
+        raise SystemExit(f"--codecs: {', '.join(unknown)} not in this suite ({', '.join(names)}) "
+                         "and not a codec spec")
+    return [names[w] if w in names else extra[w] for w in wanted]
+
+
+def _is_codec(spec: str) -> bool:
+    from gradzip.collective import CodecPlan  # compiled extension: imported only here
+
+    try:
+        CodecPlan.parse(spec)
+    except ValueError:
+        return False
+    return True
 
 
 def with_seeds(configs: list[RunConfig], n: int) -> list[RunConfig]:
@@ -171,7 +188,8 @@ def _main(argv=None) -> int:
     require("tqdm", "converge")  # the progress bars and the plots: if missing, fail before training
     require("matplotlib", "converge")
     suite = get_suite(args.suite)
-    configs = with_seeds(select(suite.configs(**overrides(args)), args.codecs), args.seeds)
+    configs = with_seeds(select(suite.configs(**overrides(args)), args.codecs,
+                                replace(suite.base, **overrides(args))), args.seeds)
     if args.strategy == "fsdp" and any(c.warmup_codec for c in configs):
         raise SystemExit("a warm-up codec (+wN:CODEC runs) applies to the all-reduce; under "
                          "--strategy fsdp the warm-up is FSDP's own reduce-scatter")

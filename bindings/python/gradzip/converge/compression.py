@@ -15,6 +15,8 @@ The compiled extension is imported lazily, so the rest of the harness works with
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..wire import MIN_COMPRESS_NUMEL  # CompressionState's default: tiny buckets stay uncompressed
@@ -59,12 +61,17 @@ class Reducer:
     def __init__(self, codec: str, workers: int, error_feedback: bool = True,
                  param_numels: list[int] | None = None, bucket_cap_mb: float = 25.0,
                  first_bucket_bytes: int = FIRST_BUCKET_BYTES, warmup_steps: int = 0,
-                 optimizer=None, warmup_codec: str | None = None):
+                 optimizer=None, param_shapes: list[tuple] | None = None,
+                 warmup_codec: str | None = None):
         from gradzip.ddp import SimulatedWorkers  # compiled extension: imported only here
 
         self.codec = canonical_codec(codec)
         self.workers = workers
         self.error_feedback = error_feedback
+        # the shapes, where known, let lowrank see matrices (numels alone are 1-D tensors)
+        self.param_shapes = None if param_shapes is None else [tuple(s) for s in param_shapes]
+        if self.param_shapes is not None:
+            param_numels = [math.prod(s) for s in self.param_shapes]
         self.param_numels = param_numels
         self.cap_bytes = int(bucket_cap_mb * 2**20)
         self.first_bucket_bytes = first_bucket_bytes
@@ -90,10 +97,12 @@ class Reducer:
             starts.append(starts[-1] + m)
         for i, (a, b) in enumerate(bounds):
             # the bucket's tensors (buckets are cut at tensor boundaries), for per-tensor blocks
-            inside = [numels[j] for j in range(len(numels)) if a <= starts[j] < b]
+            inside = [j for j in range(len(numels)) if a <= starts[j] < b]
+            shapes = None if self.param_shapes is None else [self.param_shapes[j] for j in inside]
             # one step = every bucket; the last one ends it (step count, warm-up, the guard)
             out[a:b] = self._sim.reduce([g[a:b] for g in grads], bucket_index=i,
-                                        is_last=i == len(bounds) - 1, numels=inside)
+                                        is_last=i == len(bounds) - 1,
+                                        numels=[numels[j] for j in inside], shapes=shapes)
         stats = self._sim.stats  # the step's traffic, summed over its buckets
         self.bytes_per_step, self.raw_bytes_per_step = stats["bytes_sent"], stats["raw_bytes"]
         return out

@@ -329,7 +329,7 @@ def train_simulated(cfg: RunConfig, out: Path, data: tuple[dict, dict], device: 
     params = [p for p in model.parameters() if p.requires_grad]
     opt, sched = make_optimizer(cfg, model)
     reducer = Reducer(cfg.codec, cfg.workers, cfg.error_feedback,
-                      param_numels=[p.numel() for p in params], bucket_cap_mb=cfg.bucket_cap_mb,
+                      param_shapes=[tuple(p.shape) for p in params], bucket_cap_mb=cfg.bucket_cap_mb,
                       warmup_steps=compress_warmup_steps(cfg), optimizer=hook_optimizer(opt),
                       warmup_codec=cfg.warmup_codec)
     start, wall = 0, 0.0

@@ -21,7 +21,7 @@ hooks (the header is not sent); two-phase for fp32, int8, sign and the casts wit
 (fp32 accumulation, plus a header per shard); all-gather of fixed-size payloads for top-k; and
 buckets under `min_compress_numel` elements as a plain fp32 all-reduce. PyTorch's hooks: `none` is DDP's fp32 ring all-reduce,
 `torch-fp16`/`torch-bf16` a 16-bit all-reduce, PowerSGD three all-reduces per bucket
-(uncompressed tensors, P, Q).
+(uncompressed tensors, P, Q); gradzip's lowrank:R two (P with the uncompressed tensors, Q).
 
 `python -m gradzip.costmodel` (costmodel/__main__.py) prints the projection table of
 gradzip/costmodel_cli.py, which imports this module and not the other way round.
@@ -45,8 +45,10 @@ TORCH_HOOKS = {"none": "fp32", "allreduce": "fp32", "torch-fp16": "fp16", "torch
 @dataclass(frozen=True)
 class Codec:
     """A parsed codec or hook name: gradzip's fp32 | fp16 | bf16 | int8[:block=N] | sign[:block=N]
-    | topk:RATIO[:values=fp16], or PyTorch's none | torch-fp16 | torch-bf16 | powersgd[:RANK].
-    collective: allreduce (PyTorch's hooks) | cast_allreduce | two_phase | allgather | powersgd.
+    | topk:RATIO[:values=fp16] | lowrank:RANK, or PyTorch's none | torch-fp16 | torch-bf16 |
+    powersgd[:RANK].
+    collective: allreduce (PyTorch's hooks) | cast_allreduce | two_phase | allgather | powersgd |
+    lowrank.
     cast_sum: gradzip's fp16/bf16 as ``CompressionState(cast_sum=...)`` ("wire": cast_allreduce,
     one 16-bit all-reduce of the payload; "fp32": two_phase)."""
 
@@ -55,7 +57,7 @@ class Codec:
     block: int = 0
     ratio: float = 0.0
     fp16_values: bool = False
-    rank: int = 0  # powersgd
+    rank: int = 0  # powersgd, lowrank
 
     @staticmethod
     def parse(name: str, cast_sum: str = "wire") -> "Codec":
@@ -94,6 +96,10 @@ class Codec:
             if rank < 1 or len(opts) > 1:
                 raise ValueError(f"codec {name!r}: expected powersgd[:RANK] with RANK >= 1")
             return Codec("powersgd", "powersgd", rank=rank)
+        if head == "lowrank":
+            if len(opts) != 1 or not opts[0].isdigit() or int(opts[0]) < 1:
+                raise ValueError(f"codec {name!r}: expected lowrank:RANK with RANK >= 1")
+            return Codec("lowrank", "lowrank", rank=int(opts[0]))
         raise ValueError(f"unknown codec {name!r}")
 
     def topk_k(self, n: int) -> int:
@@ -171,9 +177,9 @@ def two_phase(codec: Codec, n: int, p: int, link: Link) -> Cost:
 # Bytes per element each pass must move at the least (its memory-traffic floor): fused error-feedback encode
 # (read grad + residual, write residual + payload) and decode-add (read payload + out, write out).
 ENCODE_EF_BYTES = {"fp32": 0.0, "fp16": 14.0, "bf16": 14.0, "int8": 13.0, "sign": 12.1,
-                   "topk": 16.0, "powersgd": 0.0}
+                   "topk": 16.0, "powersgd": 0.0, "lowrank": 0.0}
 DECODE_ADD_BYTES = {"fp32": 0.0, "fp16": 10.0, "bf16": 10.0, "int8": 9.0, "sign": 8.2,
-                    "topk": 8.0, "powersgd": 0.0}
+                    "topk": 8.0, "powersgd": 0.0, "lowrank": 0.0}
 
 
 @dataclass(frozen=True)
@@ -220,11 +226,12 @@ def codec_speeds(names: Iterable[str], measure: bool = False,
                  mem_gbytes_per_s: float = 3800.0) -> dict[str, CodecSpeed | None]:
     """Codec speed for each hook name: timed through gradzip's ops (measure=True; PyTorch's
     16-bit hooks are charged gradzip's cast of the same width), or memory-bound at the given
-    bandwidth. None where a hook runs no codec (DDP's all-reduce, PowerSGD)."""
+    bandwidth. None where a hook runs no codec (DDP's all-reduce, PowerSGD, lowrank)."""
     out: dict[str, CodecSpeed | None] = {}
     for name in names:
         codec = Codec.parse(name)
-        if codec.collective == "powersgd" or (codec.kind == "fp32" and codec.collective == "allreduce"):
+        if codec.collective in ("powersgd", "lowrank") or (codec.kind == "fp32"
+                                                             and codec.collective == "allreduce"):
             out[name] = None
         elif measure:
             out[name] = measure_codec_speed(codec.kind if codec.collective == "allreduce" else name)
@@ -235,8 +242,8 @@ def codec_speeds(names: Iterable[str], measure: bool = False,
 
 def codec_compute_s(codec: Codec, n: int, p: int, speed: CodecSpeed | None) -> float:
     """Seconds of codec work one rank does for one bucket of n elements."""
-    if speed is None or codec.collective == "powersgd":
-        return 0.0  # PowerSGD's matmuls are not modelled
+    if speed is None or codec.collective in ("powersgd", "lowrank"):
+        return 0.0  # the low-rank matmuls are not modelled
     if codec.kind == "fp32" and codec.collective == "allreduce":
         return 0.0  # DDP's own all-reduce: no codec
     if codec.collective in ("allreduce", "cast_allreduce"):  # 16-bit: cast down, cast back
@@ -310,6 +317,11 @@ def bucket_cost(codec: Codec, shapes: Sequence[Shape], p: int, link: Link,
         comm = two_phase(codec, n, p, link)
     elif c == "allgather":
         comm = ring_allgather(codec.encoded_bytes(n), p, link)
+    elif c == "lowrank":  # P with the uncompressed tensors appended, then Q (if any matrix)
+        plain, pe, qe = powersgd_plan(shapes, codec.rank)
+        comm = ring_allreduce(4 * (plain + pe), p, link)
+        if qe:
+            comm = comm + ring_allreduce(4 * qe, p, link)
     else:  # powersgd: the uncompressed tensors, then P, then Q, each an all-reduce
         plain, pe, qe = powersgd_plan(shapes, codec.rank)
         comm = ring_allreduce(4 * plain, p, link)

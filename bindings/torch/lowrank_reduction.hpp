@@ -1,0 +1,68 @@
+// One rank's part of the low-rank (PowerSGD) average of one flat float32 bucket, "lowrank:R", cut
+// into the phases between its two all-reduces, so that a process group (compressed_allreduce.hpp)
+// and W ranks simulated in one process (gradzip.ddp.SimulatedWorkers) run the same arithmetic.
+//
+// Each tensor of the bucket is a matrix M (rows = its first dimension, cols = the rest), with
+// M = x / W + residual (error feedback in the units of the average). Per step:
+//   compute_p   Q (cols x r, kept between steps: the warm start) is orthonormalised, P = M Q into
+//               p; tensors where low rank saves nothing go into p's tail as M itself;
+//   all-reduce  SUM of p (the tail sums to the uncompressed average);
+//   compute_q   P's columns are orthonormalised, Q = M^T P, written over the caller's q;
+//   all-reduce  SUM of q;
+//   finish      x = P Q^T (the average's rank-r approximation), residual = M - P Q^T; the
+//               uncompressed tensors take the tail of p.
+// One bucket is exactly two all-reduces, whatever its tensors. P and Q of each tensor are views of
+// the flat buffers written by at::mm_out: tensors of one shape are never stacked into a copy.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace gradzip::torch_ext {
+
+// R of a "lowrank:R" spec; nullopt for any other codec's spec. A malformed lowrank spec is a
+// ValueError naming the bad part.
+std::optional<int64_t> parse_lowrank(const std::string& spec);
+
+// The rank a rows x cols matrix is approximated with at rank R (min(rows, cols, R)), or 0 where
+// the two factors would hold half of its elements or more: such tensors are sent uncompressed.
+int64_t lowrank_rank(int64_t rows, int64_t cols, int64_t rank);
+
+// Elements of the two all-reduced buffers of a bucket: {p (P factors, then the uncompressed
+// tensors), q (Q factors)}. `rows`: each tensor's first dimension (its numel for a 1-D tensor).
+std::pair<int64_t, int64_t> lowrank_sizes(int64_t rank, const std::vector<int64_t>& numels,
+                                          const std::vector<int64_t>& rows);
+
+class LowRankReduction {
+ public:
+  LowRankReduction(int64_t rank, int64_t world, const std::vector<int64_t>& numels,
+                   const std::vector<int64_t>& rows, const at::TensorOptions& options);
+
+  // x: the bucket's float32 values (left holding M after compute_p, the average after finish);
+  // residual: numel of x, or undefined (no error feedback); q: this bucket's Q factors
+  // (lowrank_sizes().second elements), identical on every rank.
+  void compute_p(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& q);
+  void compute_q(const at::Tensor& x, const at::Tensor& q);
+  void finish(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& q);
+
+  at::Tensor p;  // the first all-reduced buffer; q, the second, is the caller's state
+
+ private:
+  struct Piece {
+    int64_t offset, rows, cols, rank;  // rank 0: sent uncompressed in p's tail at p_offset
+    int64_t p_offset, q_offset;
+  };
+  at::Tensor matrix(const at::Tensor& x, const Piece& piece) const;
+  at::Tensor p_factor(const Piece& piece) const;
+  static at::Tensor q_factor(const at::Tensor& q, const Piece& piece);
+  void check(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& q) const;
+
+  int64_t world_, n_ = 0, q_numel_ = 0;
+  std::vector<Piece> pieces_;
+};
+
+}  // namespace gradzip::torch_ext

@@ -4,7 +4,7 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "detail.hpp"
+#include "cpu_table.hpp"
 #include "gradzip/gradzip.hpp"
 
 #if defined(__x86_64__) || defined(__i386__)

@@ -1,15 +1,14 @@
-// Codec::encode and Codec::encode_with_feedback: argument checks, the header, and the split of
-// the payload into per-thread ranges for the kernels.
+// Codec::encode and Codec::encode_with_feedback: argument checks and the header; the codec's
+// encode_cpu (codecs/<codec>.cpp) writes the payload.
 #include <cstdint>
 #include <cstring>
 #include <string>
 
-#include "detail.hpp"
+#include "cpu_table.hpp"
 #include "encode_check.hpp"
+#include "float_mode.hpp"
 #include "gradzip/gradzip.hpp"
-#include "parallel.hpp"
 #include "pointer_check.hpp"
-#include "topk.hpp"
 
 namespace gradzip {
 namespace {
@@ -34,52 +33,11 @@ void encode_impl(const Codec& codec, detail::EncodeArgs a, size_t n, void* out, 
 
   const CodecSpec& s = codec.spec();
   const WireHeader h = codec.wire_header(n);
-  const uint32_t param = h.param;
-  const PayloadLayout l = payload_layout(s.kind, n, param, s.fp16_values);
   std::memcpy(out, &h, sizeof h);
-  char* payload = static_cast<char*>(out) + kHeaderBytes;
-
-  const detail::CpuLoops& k = detail::cpu_loops();
-  auto at = [&](size_t begin) {
-    detail::EncodeArgs x = a;
-    x.grad += begin;
-    if (x.residual) x.residual += begin;
-    return x;
-  };
-  switch (s.kind) {
-    case CodecKind::fp32:
-      detail::parallel_ranges(n, 16, [&](size_t b, size_t e) {
-        k.encode_fp32(at(b), e - b, reinterpret_cast<float*>(payload) + b);
-      });
-      break;
-    case CodecKind::fp16:
-    case CodecKind::bf16: {
-      auto fn = s.kind == CodecKind::fp16 ? k.encode_fp16 : k.encode_bf16;
-      detail::parallel_ranges(n, 32, [&](size_t b, size_t e) {
-        fn(at(b), e - b, reinterpret_cast<uint16_t*>(payload) + b);
-      });
-      break;
-    }
-    case CodecKind::int8:
-    case CodecKind::sign: {
-      const size_t nb = ceil_div(n, s.block);
-      std::memset(payload + 4 * nb, 0, l.section1 - 4 * nb);  // padding after the scales
-      auto* scales = reinterpret_cast<float*>(payload + l.section0);
-      detail::parallel_ranges(n, s.block, [&](size_t b, size_t e) {
-        if (s.kind == CodecKind::int8)
-          k.encode_int8(at(b), e - b, s.block, scales + b / s.block,
-                        reinterpret_cast<int8_t*>(payload + l.section1) + b);
-        else
-          k.encode_sign(at(b), e - b, s.block, scales + b / s.block,
-                        reinterpret_cast<uint32_t*>(payload + l.section1) + b / 32);
-      });
-      break;
-    }
-    case CodecKind::topk:
-      detail::encode_topk(k, a, n, param, reinterpret_cast<uint32_t*>(payload + l.section0),
-                          payload + l.section1, s.fp16_values, static_cast<uint32_t*>(workspace));
-      break;
-  }
+  const detail::CpuEncode job{detail::cpu_loops(), s, a, n, h.param,
+                              payload_layout(s.kind, n, h.param, s.fp16_values),
+                              static_cast<char*>(out) + kHeaderBytes, workspace};
+  visit(s.kind, [&](auto c) { detail::encode_cpu(c, job); });
 }
 
 }  // namespace

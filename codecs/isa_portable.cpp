@@ -1,4 +1,4 @@
-// codecs/cpu_loops.hpp built for the portable instruction set (flags in codecs/CMakeLists.txt).
+// codecs/isa_loops.hpp built for the portable instruction set (flags in codecs/CMakeLists.txt).
 #define GZ_ISA_NS portable
 #define GZ_ISA_NAME "portable"
-#include "cpu_loops.hpp"
+#include "isa_loops.hpp"

@@ -25,6 +25,7 @@
 #include <cstring>
 #include <functional>
 
+#include "cpu_table.hpp"
 #include "gradzip/gradzip.hpp"
 #include "parallel.hpp"
 #include "topk_plan.hpp"
@@ -68,12 +69,6 @@ struct Plan {
   size_t nch = 0;
   int threads = 1;
 
-  EncodeArgs args_at(size_t begin) const {
-    EncodeArgs x = a;
-    x.grad += begin;
-    if (x.residual) x.residual += begin;
-    return x;
-  }
   // Ties go to the lowest indices: each chunk keeps its ties while `ties` lasts, in chunk order;
   // its output starts after everything the chunks before it keep.
   void assign_offsets(uint64_t ties) {
@@ -141,7 +136,7 @@ bool sampled_topk(Plan& p) {
   std::atomic<bool> fits{true};
   parallel_items(p.nch, p.threads, [&](size_t c) {
     Chunk& ch = p.chunks[c];
-    ch.pairs = p.loops.topk_gather(p.args_at(ch.begin), ch.len, static_cast<uint32_t>(ch.begin), lo,
+    ch.pairs = p.loops.topk.gather(p.a.at(ch.begin), ch.len, static_cast<uint32_t>(ch.begin), lo,
                                    pair_cap(ch), pair_idx(p, ch), pair_bits(p, ch));
     if (ch.pairs > pair_cap(ch)) fits.store(false, std::memory_order_relaxed);
   });
@@ -204,7 +199,7 @@ bool sampled_topk(Plan& p) {
   if (p.a.residual)
     parallel_items(p.nch, p.threads, [&](size_t c) {
       const Chunk& ch = p.chunks[c];
-      p.loops.topk_residual(p.args_at(ch.begin), ch.len, static_cast<uint32_t>(ch.begin),
+      p.loops.topk.residual(p.a.at(ch.begin), ch.len, static_cast<uint32_t>(ch.begin),
                             p.idx + ch.offset, ch.above + ch.quota, p.fp16_values);
     });
   return true;
@@ -217,7 +212,7 @@ void radix_topk(Plan& p) {
   radix_runs.fetch_add(1, std::memory_order_relaxed);
   // 1. first-digit histogram
   const Hist hist0 = chunk_histogram(p, p.threads, [&](size_t c, uint32_t* local) {
-    p.loops.topk_hist0(p.args_at(p.chunks[c].begin), p.chunks[c].len, local);
+    p.loops.topk.hist0(p.a.at(p.chunks[c].begin), p.chunks[c].len, local);
   });
   uint64_t rank = p.k;
   const uint32_t d0 = select_digit(hist0, el::kTopkDigitMask[0] + 1, rank);
@@ -225,7 +220,7 @@ void radix_topk(Plan& p) {
   // 2. candidates of the threshold bucket
   parallel_items(p.nch, p.threads, [&](size_t c) {
     Chunk& ch = p.chunks[c];
-    ch.candidates = p.loops.topk_collect(p.args_at(ch.begin), ch.len, static_cast<uint32_t>(ch.begin),
+    ch.candidates = p.loops.topk.collect(p.a.at(ch.begin), ch.len, static_cast<uint32_t>(ch.begin),
                                          d0, p.cand + ch.begin, &ch.above);
   });
 
@@ -266,8 +261,8 @@ void radix_topk(Plan& p) {
   std::atomic<bool> consistent{true};
   parallel_items(p.nch, p.threads, [&](size_t c) {
     const Chunk& ch = p.chunks[c];
-    const size_t kept = p.loops.topk_emit(
-        p.args_at(ch.begin), ch.len, static_cast<uint32_t>(ch.begin), threshold, ch.quota,
+    const size_t kept = p.loops.topk.emit(
+        p.a.at(ch.begin), ch.len, static_cast<uint32_t>(ch.begin), threshold, ch.quota,
         p.idx + ch.offset, static_cast<char*>(p.values) + ch.offset * value_size, p.fp16_values);
     if (kept != ch.above + ch.quota) consistent.store(false, std::memory_order_relaxed);
   });
@@ -278,10 +273,18 @@ void radix_topk(Plan& p) {
 
 }  // namespace
 
-void encode_topk(const CpuLoops& loops, EncodeArgs a, size_t n, uint64_t k, uint32_t* idx,
-                 void* values, bool fp16_values, uint32_t* cand) {
+void encode_cpu(TopkCodec, const CpuEncode& job) {
+  const uint64_t k = job.param;
   if (k == 0) return;
-  Plan p{loops, a, n, k, idx, values, fp16_values, cand};
+  const size_t n = job.n;
+  Plan p{job.loops,
+         job.a,
+         n,
+         k,
+         reinterpret_cast<uint32_t*>(job.payload + job.layout.section0),
+         job.payload + job.layout.section1,
+         job.spec.fp16_values,
+         static_cast<uint32_t*>(job.workspace)};
   const size_t clen = topk_chunk_len(n);
   p.nch = topk_num_chunks(n);
   for (size_t c = 0; c < p.nch; ++c) {
@@ -292,6 +295,38 @@ void encode_topk(const CpuLoops& loops, EncodeArgs a, size_t n, uint64_t k, uint
   if (sampled_topk(p)) return;
   for (size_t c = 0; c < p.nch; ++c) p.chunks[c] = Chunk{p.chunks[c].begin, p.chunks[c].len};
   radix_topk(p);
+}
+
+void decode_cpu(TopkCodec, const CpuDecode& job) {
+  float* out = job.out;
+  const bool add = job.add;
+  if (!add)
+    parallel_ranges(job.n, 16, [&](size_t b, size_t e) {
+      std::memset(out + b, 0, (e - b) * sizeof(float));
+    });
+  const auto* idx = reinterpret_cast<const uint32_t*>(job.payload + job.layout.section0);
+  const size_t kk = job.header.param;
+  const bool fp16_values = (job.header.flags & kTopkFlagFp16Values) != 0;
+  const auto* f32 = reinterpret_cast<const float*>(job.payload + job.layout.section1);
+  const auto* f16 = reinterpret_cast<const uint16_t*>(job.payload + job.layout.section1);
+  // Indices are strictly increasing (validated), so ranges of them write disjoint outputs.
+  // fp16 values are widened 256 at a time by the vectorised decoder first: converted inside
+  // the scatter loop they made it four times slower.
+  parallel_ranges(kk, 16, [&](size_t b, size_t e) {
+    alignas(64) float widened[256];
+    for (size_t s = b; s < e; s += 256) {
+      const size_t m = e - s < 256 ? e - s : 256;
+      const float* v = f32 + s;
+      if (fp16_values) {
+        job.loops.fp16.decode(f16 + s, m, widened, false);
+        v = widened;
+      }
+      for (size_t j = 0; j < m; ++j) {
+        float& o = out[idx[s + j]];
+        o = add ? o + v[j] : v[j];
+      }
+    }
+  });
 }
 
 uint64_t topk_radix_runs() { return radix_runs.load(); }

@@ -1,6 +1,7 @@
-// Exact top-k by magnitude on the CPU: radix select over topk_key with element.hpp's 11/11/10-bit
-// digits, no sort. Ties at the threshold go to the lowest indices, so indices come out strictly
-// increasing.
+// Exact top-k by magnitude on the CPU: radix select over topk_key with codec/topk.hpp's
+// 11/11/10-bit digits, no sort. Ties at the threshold go to the lowest indices, so indices come
+// out strictly increasing. The passes each instruction set provides (loops/topk.hpp) and the
+// selection over threads and chunks (topk.cpp).
 #pragma once
 
 #include <cstddef>
@@ -10,10 +11,33 @@
 
 namespace gradzip::detail {
 
-// Writes k indices to idx and k values (f32, or fp16 when fp16_values) to values, and updates
-// the residual (when a.residual is set). cand: topk_workspace_bytes(n) bytes, 4-byte aligned.
-void encode_topk(const CpuLoops& loops, EncodeArgs a, size_t n, uint64_t k, uint32_t* idx,
-                 void* values, bool fp16_values, uint32_t* cand);
+struct TopkLoops {
+  // Pass 1: hist[topk_key(c) >> 21] += 1 for the n elements (hist has kTopkRadix entries).
+  void (*hist0)(EncodeArgs a, size_t n, uint32_t* hist);
+  // Pass 2: writes base + i for every element whose first digit equals d0 to cand (in index
+  // order) and returns their number; *above gets the count of first digits above d0.
+  size_t (*collect)(EncodeArgs a, size_t n, uint32_t base, uint32_t d0, uint32_t* cand,
+                    uint64_t* above);
+  // Final pass: keeps keys > threshold and the first `ties` keys == threshold, writing their
+  // indices (base + i) and values; updates the residual of every element. Returns the number
+  // kept.
+  size_t (*emit)(EncodeArgs a, size_t n, uint32_t base, uint32_t threshold, uint64_t ties,
+                 uint32_t* idx, void* values, bool fp16_values);
+  // Sampled top-k pass 1: stores base + i and the bits of c[i] for the first `cap` elements
+  // whose key is >= lo (index order); returns how many such elements there are.
+  size_t (*gather)(EncodeArgs a, size_t n, uint32_t base, uint32_t lo, size_t cap, uint32_t* idx,
+                   uint32_t* bits);
+  // Sampled top-k, error feedback: the residual of every element, given the sorted global
+  // indices of the kept ones (their value is c, or fp16(c) when fp16_values).
+  void (*residual)(EncodeArgs a, size_t n, uint32_t base, const uint32_t* kept, size_t kept_count,
+                   bool fp16_values);
+};
+
+// Writes the k indices and values and updates the residual (when job.a.residual is set); the
+// workspace holds topk_workspace_bytes(n) bytes.
+void encode_cpu(TopkCodec, const CpuEncode& job);
+// Zeroes the output (decode) or keeps it (decode_add), then scatters the kept values.
+void decode_cpu(TopkCodec, const CpuDecode& job);
 
 // Tests: how many encodes so far took the full radix select instead of the sampled path.
 uint64_t topk_radix_runs();

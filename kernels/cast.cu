@@ -48,12 +48,8 @@ void launch(const EncodeLaunch& a) {
 
 }  // namespace
 
-void launch_cast_encode(CodecKind kind, const EncodeLaunch& a) {
-  switch (kind) {
-    case CodecKind::fp32: launch<el::Fp32Cast>(a); break;
-    case CodecKind::fp16: launch<el::Fp16Cast>(a); break;
-    default: launch<el::Bf16Cast>(a); break;
-  }
-}
+void launch_encode(Fp32Codec, const EncodeLaunch& a) { launch<Fp32Codec>(a); }
+void launch_encode(Fp16Codec, const EncodeLaunch& a) { launch<Fp16Codec>(a); }
+void launch_encode(Bf16Codec, const EncodeLaunch& a) { launch<Bf16Codec>(a); }
 
 }  // namespace gradzip::kernels

@@ -57,41 +57,14 @@ __global__ void __launch_bounds__(kThreads)
   const CodecKind kind = static_cast<CodecKind>(h.codec);
   if (Add && kind == CodecKind::topk) return;
   const int valid = n - i < kV ? static_cast<int>(n - i) : kV;
-  const uint8_t* payload = wire + kHeaderBytes;
-  const PayloadLayout l = payload_layout(h);
-  const auto* f32 = reinterpret_cast<const float*>(payload);
-  const auto* u16 = reinterpret_cast<const uint16_t*>(payload);
   // Blocks are multiples of 32 elements (validated) and i is a multiple of kV = 4, so a thread's
-  // elements share one codec block and one sign word: one block index per thread, a shift when
-  // the block is a power of two, else one division per kV elements (32-bit when i fits).
-  const bool blockwise = kind == CodecKind::int8 || kind == CodecKind::sign;
-  const uint32_t block = h.param;
-  float scale = 0.0f;
-  uint32_t sign_word = 0;
-  if (blockwise) {
-    const uint64_t b = (block & (block - 1)) == 0 ? i >> (__ffs(block) - 1)
-                       : i <= 0xFFFFFFFFu         ? static_cast<uint32_t>(i) / block
-                                                  : i / block;
-    scale = f32[b];
-    if (kind == CodecKind::sign) sign_word = reinterpret_cast<const uint32_t*>(payload + l.section1)[i / 32];
-  }
+  // elements share one codec block and one sign word: one element decoder per thread.
   float v[kV];
+  visit(kind, [&](auto c) {
+    const auto decoder = c.element_decoder(h, wire + kHeaderBytes, i);
 #pragma unroll
-  for (int j = 0; j < kV; ++j) {
-    v[j] = 0.0f;
-    if (j >= valid) continue;
-    const size_t e = i + j;
-    switch (kind) {
-      case CodecKind::fp32: v[j] = f32[e]; break;
-      case CodecKind::fp16: v[j] = el::fp16_to_float(u16[e]); break;
-      case CodecKind::bf16: v[j] = el::bf16_to_float(u16[e]); break;
-      case CodecKind::int8:
-        v[j] = el::int8_dequantize(reinterpret_cast<const int8_t*>(payload + l.section1)[e], scale);
-        break;
-      case CodecKind::sign: v[j] = el::sign_decode((sign_word >> (e % 32)) & 1u, scale); break;
-      case CodecKind::topk: break;  // zero; the kept values are scattered afterwards
-    }
-  }
+    for (int j = 0; j < kV; ++j) v[j] = j < valid ? decoder(i + j) : 0.0f;
+  });
   if (vec_out && valid == kV) {
     float4* o = reinterpret_cast<float4*>(out + i);
     if (Add) {

@@ -36,20 +36,25 @@ struct EncodeLaunch {
   size_t n;
   uint8_t* out;     // wire start (header), 4-byte aligned
   HeaderWords header;
+  uint32_t param;         // the header's param: block (int8/sign) or k (top-k)
+  bool fp16_values;       // top-k: values stored as fp16
+  PayloadLayout layout;   // of this message's payload
+  void* workspace;        // top-k: topk_workspace_bytes(n) bytes, 16-byte aligned; else unused
   bool vec;         // grad, residual and out are 16-byte aligned: use 16-byte accesses
   int sm_count;
   cudaStream_t stream;
 };
 
-// fp32 / fp16 / bf16 (n >= 0; n == 0 writes the header only).
-void launch_cast_encode(CodecKind kind, const EncodeLaunch& a);
-// Blockwise codecs; section1 = byte offset of the q bytes / sign words in the payload.
-void launch_int8_encode(const EncodeLaunch& a, uint32_t block, uint64_t section1);
-void launch_sign_encode(const EncodeLaunch& a, uint32_t block, uint64_t section1);
-
-// Top-k: k >= 1 and k <= n < 2^32. Workspace of topk_workspace_bytes(n) bytes, 16-byte aligned.
+// The encoder of each codec, one overload per codec (kernels/<codec>.cu), picked by visit.
+// Casts: n >= 0 (n == 0 writes the header only).
+void launch_encode(Fp32Codec, const EncodeLaunch& a);  // cast.cu
+void launch_encode(Fp16Codec, const EncodeLaunch& a);  // cast.cu
+void launch_encode(Bf16Codec, const EncodeLaunch& a);  // cast.cu
+void launch_encode(Int8Codec, const EncodeLaunch& a);  // int8.cu
+void launch_encode(SignCodec, const EncodeLaunch& a);  // sign.cu
+// Top-k: k >= 1 and k <= n < 2^32.
+void launch_encode(TopkCodec, const EncodeLaunch& a);  // topk.cu
 size_t topk_workspace_bytes(size_t n);
-void launch_topk_encode(const EncodeLaunch& a, uint32_t k, bool fp16_values, void* workspace);
 
 struct DecodeLaunch {
   const uint8_t* wire;  // 4-byte aligned

@@ -312,8 +312,10 @@ void launch_all(const EncodeLaunch& a, uint32_t k, bool fp16_values, uint8_t* ws
 
 size_t topk_workspace_bytes(size_t n) { return kStateBytes + kHistBytes + 16 * num_tiles(n) + 4 * n; }
 
-void launch_topk_encode(const EncodeLaunch& a, uint32_t k, bool fp16_values, void* workspace) {
-  auto* ws = static_cast<uint8_t*>(workspace);
+void launch_encode(TopkCodec, const EncodeLaunch& a) {
+  const uint32_t k = a.param;
+  const bool fp16_values = a.fp16_values;
+  auto* ws = static_cast<uint8_t*>(a.workspace);
   if (a.vec)
     launch_all<true>(a, k, fp16_values, ws);
   else

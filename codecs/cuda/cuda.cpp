@@ -83,8 +83,6 @@ void encode_impl(const Codec& codec, const float* grad, float* residual, size_t 
   }
 
   const WireHeader h = codec.wire_header(n);
-  const uint32_t param = h.param;
-  const PayloadLayout layout = payload_layout(spec.kind, n, param, spec.fp16_values);
 
   kernels::EncodeLaunch a{};
   a.grad = grad;
@@ -93,17 +91,14 @@ void encode_impl(const Codec& codec, const float* grad, float* residual, size_t 
   a.n = n;
   a.out = static_cast<uint8_t*>(out);
   std::memcpy(a.header.w, &h, sizeof h);
+  a.param = h.param;
+  a.fp16_values = spec.fp16_values;
+  a.layout = payload_layout(spec.kind, n, h.param, spec.fp16_values);
+  a.workspace = workspace;
   a.vec = aligned(grad, 16) && aligned(residual, 16) && aligned(out, 16);
   a.sm_count = sm_count();
   a.stream = stream;
-  switch (spec.kind) {
-    case CodecKind::fp32:
-    case CodecKind::fp16:
-    case CodecKind::bf16: kernels::launch_cast_encode(spec.kind, a); break;
-    case CodecKind::int8: kernels::launch_int8_encode(a, spec.block, layout.section1); break;
-    case CodecKind::sign: kernels::launch_sign_encode(a, spec.block, layout.section1); break;
-    case CodecKind::topk: kernels::launch_topk_encode(a, param, spec.fp16_values, workspace); break;
-  }
+  visit(spec.kind, [&](auto c) { kernels::launch_encode(c, a); });
   check_cuda(cudaGetLastError(), "kernel launch");
 }
 

@@ -65,15 +65,18 @@ def shard_bounds(n: int, world: int) -> Tuple[int, ...]:
 
 
 @lru_cache(maxsize=4096)
-def traffic(plan: Optional[CodecPlan], numels: Tuple[int, ...], world: int, rank: int):
-    """Bytes (sent, received) by one rank for one bucket holding tensors of ``numels`` elements;
-    plan None = fp32 all-reduce (counted as a ring all-reduce: 2 (W-1)/W of the buffer each way)."""
+def traffic(plan: Optional[CodecPlan], numels: Tuple[int, ...], world: int, rank: int,
+            exact: Tuple[bool, ...] = ()):
+    """Bytes (sent, received) by one rank for one bucket holding tensors of ``numels`` elements,
+    those flagged in ``exact`` sent in fp32 (see layout_exact); plan None = fp32 all-reduce
+    (counted as a ring all-reduce: 2 (W-1)/W of the buffer each way)."""
     if world == 1:
         return 0, 0
     if plan is None:
         b = _ops.fp32_traffic(sum(numels), world)
         return b, b
-    sent, received = _ops.bucket_traffic(plan.spec, world, rank, list(numels), plan.cast_sum)
+    sent, received = _ops.bucket_traffic(plan.spec, world, rank, list(numels), plan.cast_sum,
+                                         list(exact))
     return sent, received
 
 
@@ -92,10 +95,10 @@ class TrafficStats:
         return {"bytes_sent": 0, "bytes_received": 0, "raw_bytes": 0, "buckets": 0,
                 "compressed_buckets": 0}
 
-    def add(self, plan, numels, world, rank, compressed):
+    def add(self, plan, numels, world, rank, compressed, exact=()):
         """One all-reduced bucket."""
         numels = tuple(numels)
-        sent, received = traffic(plan if compressed else None, numels, world, rank)
+        sent, received = traffic(plan if compressed else None, numels, world, rank, tuple(exact))
         self.add_bytes(sent, received, traffic(None, numels, world, rank)[0], compressed)
 
     def add_bytes(self, sent: int, received: int, raw: int, compressed: bool):
@@ -117,15 +120,29 @@ class TrafficStats:
 Layout = Tuple[int, Tuple[Tuple[object, Tuple[int, ...]], ...]]  # (n, ((key, shape), ...))
 
 
-def layout_numels(layout: Layout) -> List[int]:
-    """Element counts of a bucket's tensors as the reduction sees them, in buffer order (one tensor
-    if the shapes are unknown). Zero-size tensors are left out: they carry nothing, and a piece
-    boundary there would change nothing but the C++ layout's rule that pieces hold elements."""
+def _layout_shapes(layout: Layout) -> Optional[List[Tuple[int, ...]]]:
+    """The shapes of a bucket's tensors as the reduction sees them, in buffer order, or None if
+    they are unknown. Zero-size tensors are left out: they carry nothing, and a piece boundary
+    there would change nothing but the C++ layout's rule that pieces hold elements."""
     n, params = layout
-    numels = [math.prod(shape) for _, shape in params]
-    if not numels or sum(numels) != n:
-        return [n]
-    return [m for m in numels if m > 0] or [n]
+    shapes = [tuple(shape) for _, shape in params if math.prod(shape) > 0]
+    return shapes if shapes and sum(math.prod(s) for s in shapes) == n else None
+
+
+def layout_numels(layout: Layout) -> List[int]:
+    """Element counts of a bucket's tensors as the reduction sees them (one tensor if the shapes
+    are unknown)."""
+    shapes = _layout_shapes(layout)
+    return [layout[0]] if shapes is None else [math.prod(s) for s in shapes]
+
+
+def layout_exact(layout: Layout, uncompressed_numel: int) -> List[bool]:
+    """Per tensor of layout_numels, whether it travels uncompressed (wire.travels_uncompressed;
+    never where the shapes are unknown)."""
+    shapes = _layout_shapes(layout)
+    if shapes is None:
+        return [False]
+    return [wire.travels_uncompressed(s, uncompressed_numel) for s in shapes]
 
 
 def param_offsets(layout: Layout) -> dict:

@@ -20,6 +20,7 @@ equal to fp32 rounding).
 """
 
 import logging
+import math
 import os
 import warnings
 from typing import List, Optional
@@ -29,8 +30,8 @@ import torch.distributed as dist
 
 from . import _ops  # noqa: F401  (loads the extension that defines torch.classes.gradzip)
 from ._groups import reducing_group, require_same_config
-from .collective import (CodecPlan, StateStore, TrafficStats, layout_numels, param_offsets,
-                         run_simulated, shard_bounds)
+from .collective import (CodecPlan, StateStore, TrafficStats, layout_exact, layout_numels,
+                         param_offsets, run_simulated, shard_bounds)
 from .wire import MIN_COMPRESS_NUMEL
 
 __all__ = ["CompressionState", "compress_hook", "SimulatedWorkers"]
@@ -47,7 +48,8 @@ class _Config:
     simulation and gradzip.fsdp: warm-up steps and small buckets go uncompressed."""
 
     def __init__(self, codec: str, error_feedback: bool, warmup_steps: int, min_compress_numel: int,
-                 guard_nonfinite: bool, optimizer=None, cast_sum: Optional[str] = None):
+                 guard_nonfinite: bool, optimizer=None, cast_sum: Optional[str] = None,
+                 uncompressed_numel: int = 0):
         self.direction = None
         if optimizer is not None:
             direction = getattr(optimizer, "direction", None)
@@ -56,8 +58,9 @@ class _Config:
                                 f"(FrozenVarianceAdamW, CompressedSGD), got "
                                 f"{type(optimizer).__name__}")
             self.direction = direction
-        if warmup_steps < 0 or min_compress_numel < 0:
-            raise ValueError("gradzip: warmup_steps and min_compress_numel must be >= 0")
+        if warmup_steps < 0 or min_compress_numel < 0 or uncompressed_numel < 0:
+            raise ValueError("gradzip: warmup_steps, min_compress_numel and uncompressed_numel "
+                             "must be >= 0")
         if self.direction is not None and self.direction.needs_warmup and warmup_steps < 1:
             raise ValueError(f"gradzip: {type(optimizer).__name__} measures the variance on the "
                              "uncompressed warm-up steps before it freezes it: warmup_steps must "
@@ -74,6 +77,7 @@ class _Config:
                              "use cast_sum='fp32' (or leave it unset)")
         self.warmup_steps = int(warmup_steps)
         self.min_compress_numel = int(min_compress_numel)
+        self.uncompressed_numel = int(uncompressed_numel)
         self.guard_nonfinite = bool(guard_nonfinite)
 
     @property
@@ -84,12 +88,17 @@ class _Config:
         return (f"codec={self.plan.spec} cast_sum={self.plan.cast_sum} "
                 f"error_feedback={int(self.error_feedback)} "
                 f"warmup_steps={self.warmup_steps} min_compress_numel={self.min_compress_numel} "
+                f"uncompressed_numel={self.uncompressed_numel} "
                 f"guard_nonfinite={int(self.guard_nonfinite)} world={world} direction="
                 f"{'none' if self.direction is None else self.direction.describe()}")
 
     def compresses(self, step: int, n: int, world: int) -> bool:
         # n >= world: every shard of a two-phase bucket holds at least one element.
         return world > 1 and step >= self.warmup_steps and n >= max(self.min_compress_numel, world, 1)
+
+    def exact(self, layout) -> List[bool]:
+        """Per tensor of the bucket (collective.layout_numels), whether it travels in fp32."""
+        return layout_exact(layout, self.uncompressed_numel)
 
     @property
     def wants_owner_residual(self) -> bool:
@@ -210,6 +219,10 @@ class CompressionState(_ReducerState):
             for bit. None (default): ``"wire"``, or ``"fp32"`` with ``optimizer`` and error
             feedback, whose owner residual needs the fp32 sum (``"wire"`` there is a ValueError).
             Other codecs are not affected.
+        uncompressed_numel: inside compressed int8/sign buckets, the 1-D tensors (biases, norms)
+            and those of fewer elements travel uncompressed, in fp32, in the same exchange: their
+            average is the exact fp32 sum (in rank order) and they keep no residual. 0 (default):
+            every tensor is compressed. Other codecs are not affected.
 
     The first hook call checks, with one small all-gather, that every rank uses the same
     configuration, and raises ``ValueError`` on all ranks naming the difference (instead of hanging
@@ -236,9 +249,10 @@ class CompressionState(_ReducerState):
 
     def __init__(self, codec: str, process_group=None, error_feedback: bool = True,
                  warmup_steps: int = 0, min_compress_numel: int = MIN_COMPRESS_NUMEL,
-                 guard_nonfinite: bool = True, optimizer=None, cast_sum: Optional[str] = None):
+                 guard_nonfinite: bool = True, optimizer=None, cast_sum: Optional[str] = None,
+                 uncompressed_numel: int = 0):
         super().__init__(_Config(codec, error_feedback, warmup_steps, min_compress_numel,
-                                 guard_nonfinite, optimizer, cast_sum))
+                                 guard_nonfinite, optimizer, cast_sum, uncompressed_numel))
         self.process_group = process_group
         self._ef = StateStore()
         self._keys = _ParameterKeys()
@@ -316,14 +330,14 @@ class CompressionState(_ReducerState):
 
     def _reduce(self, index, bucket_view, x, layout, st, compressed):
         """Enqueues one reduction of ``x`` (the bucket's float32 values) in C++; returns its Future."""
-        cfg, numels = self.config, layout_numels(layout)
-        self._stats.add(cfg.plan, numels, self._world, self._rank, compressed)
+        cfg, numels, exact = self.config, layout_numels(layout), self.config.exact(layout)
+        self._stats.add(cfg.plan, numels, self._world, self._rank, compressed, exact)
         if self._guard is not None:
             self._guard.save(_saved(st))  # before any update: an overflow step undoes all
         cfg.apply_direction(x, st, compressed)
         fut = self._runtime.reduce(index, bucket_view, x, numels,
                                    None if st is None else st.residual,
-                                   None if st is None else st.owner_residual, compressed)
+                                   None if st is None else st.owner_residual, compressed, exact)
         if cfg.direction is None:
             return fut
 
@@ -448,17 +462,18 @@ class SimulatedWorkers:
 
     def __init__(self, codec: str, world_size: int, error_feedback: bool = True,
                  warmup_steps: int = 0, min_compress_numel: int = MIN_COMPRESS_NUMEL,
-                 guard_nonfinite: bool = True, optimizer=None, cast_sum: Optional[str] = None):
+                 guard_nonfinite: bool = True, optimizer=None, cast_sum: Optional[str] = None,
+                 uncompressed_numel: int = 0):
         if int(world_size) < 1:
             raise ValueError(f"gradzip: world_size must be >= 1, got {world_size}")
         self.config = _Config(codec, error_feedback, warmup_steps, min_compress_numel, guard_nonfinite,
-                              optimizer, cast_sum)
+                              optimizer, cast_sum, uncompressed_numel)
         self.world_size = int(world_size)
         self.step = 0
         self._ef = [StateStore() for _ in range(self.world_size)]
         self._stats = TrafficStats()
         self._guards = [self.config.new_guard() for _ in range(self.world_size)]
-        self._reductions = {}  # (bucket_index, numels, device) -> one BucketReduction per rank
+        self._reductions = {}  # (bucket_index, numels, exact, device) -> a BucketReduction per rank
         if optimizer is not None:
             optimizer.attached = True
 
@@ -477,11 +492,14 @@ class SimulatedWorkers:
                 for t in (st.residual, st.owner_residual) if t is not None]
 
     def reduce(self, grads: List[torch.Tensor], bucket_index=0, is_last: bool = True,
-               numels: Optional[List[int]] = None, keys: Optional[list] = None) -> torch.Tensor:
+               numels: Optional[List[int]] = None, keys: Optional[list] = None,
+               shapes: Optional[list] = None) -> torch.Tensor:
         """``numels``: the element counts of the tensors the bucket holds, in order (as DDP's
         ``bucket.parameters()``); block-scaled codecs restart their blocks at each boundary.
-        ``keys``: one hashable per tensor naming its parameter, for buckets whose parameters move
-        (the state follows the parameter, as in the hook); default ``(bucket_index, i)``."""
+        ``shapes``: their shapes instead (which ``uncompressed_numel`` needs; tensors given by
+        ``numels`` count as 1-D). ``keys``: one hashable per tensor naming its parameter, for
+        buckets whose parameters move (the state follows the parameter, as in the hook); default
+        ``(bucket_index, i)``."""
         world = self.world_size
         if len(grads) != world:
             raise ValueError(f"gradzip: expected {world} gradients, got {len(grads)}")
@@ -492,16 +510,20 @@ class SimulatedWorkers:
         n = flats[0].numel()
         if any(f.numel() != n or f.device != flats[0].device for f in flats):
             raise ValueError("gradzip: all gradients must have the same numel and device")
-        numels = [n] if numels is None else [int(m) for m in numels]
-        if sum(numels) != n or any(m < 0 for m in numels):
-            raise ValueError(f"gradzip: numels {numels} do not partition the {n} elements")
-        keys = [(bucket_index, i) for i in range(len(numels))] if keys is None else list(keys)
-        if len(keys) != len(numels) or len(set(keys)) != len(keys):
-            raise ValueError(f"gradzip: keys must name each of the {len(numels)} tensors once")
-        layout = (n, tuple((k, (m,)) for k, m in zip(keys, numels)))
-        numels = layout_numels(layout)  # as the hook: zero-size tensors carry nothing
+        if shapes is not None and numels is not None:
+            raise ValueError("gradzip: give numels or shapes, not both")
+        shapes = ([(n,)] if numels is None else [(int(m),) for m in numels]) if shapes is None \
+            else [tuple(int(d) for d in s) for s in shapes]
+        if sum(math.prod(s) for s in shapes) != n or any(d < 0 for s in shapes for d in s):
+            raise ValueError(f"gradzip: tensors of shapes {shapes} do not partition the {n} "
+                             "elements")
+        keys = [(bucket_index, i) for i in range(len(shapes))] if keys is None else list(keys)
+        if len(keys) != len(shapes) or len(set(keys)) != len(keys):
+            raise ValueError(f"gradzip: keys must name each of the {len(shapes)} tensors once")
+        layout = (n, tuple(zip(keys, shapes)))
+        numels, exact = layout_numels(layout), cfg.exact(layout)  # as the hook
         compressed = cfg.compresses(self.step, n, world)
-        self._stats.add(cfg.plan, numels, world, 0, compressed)
+        self._stats.add(cfg.plan, numels, world, 0, compressed, exact)
         states = [cfg.bucket_state(self._ef[r], bucket_index, layout, world, r, flats[r].device)
                   for r in range(world)]
         for r in range(world):
@@ -517,7 +539,8 @@ class SimulatedWorkers:
                 out.clone() for _ in range(world - 1)]
         else:
             outs = [torch.empty_like(f) for f in flats]
-            run_simulated(self._bucket_reductions(bucket_index, numels, flats[0]), flats, states, outs)
+            run_simulated(self._bucket_reductions(bucket_index, numels, exact, flats[0]), flats,
+                          states, outs)
         for o, st in zip(outs, states):
             cfg.finish_direction(o, st, compressed)
         for g, o in zip(self._guards, outs):
@@ -531,12 +554,13 @@ class SimulatedWorkers:
             self.step += 1
         return outs[0]
 
-    def _bucket_reductions(self, index, numels, like):
-        key = (index, tuple(numels), like.device)
+    def _bucket_reductions(self, index, numels, exact, like):
+        key = (index, tuple(numels), tuple(exact), like.device)
         if key not in self._reductions:
             self._reductions[key] = [
                 torch.classes.gradzip.BucketReduction(self.config.codec, self.world_size, r,
-                                                      list(numels), like, self.config.plan.cast_sum)
+                                                      list(numels), like, self.config.plan.cast_sum,
+                                                      list(exact))
                 for r in range(self.world_size)]
         return self._reductions[key]
 

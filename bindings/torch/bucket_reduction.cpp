@@ -148,7 +148,6 @@ BucketReduction::BucketReduction(const Codec& codec, int64_t world, int64_t rank
                                  const at::TensorOptions& device, Collective collective,
                                  CastSum cast_sum, const std::vector<bool>& exact)
     : codec_(codec),
-      exact_codec_(fp32_codec()),
       layout_(codec, world, numels, collective, cast_sum, exact),
       rank_(rank),
       device_(device.device()) {
@@ -192,6 +191,10 @@ void BucketReduction::check_float(const char* name, const at::Tensor& t, int64_t
   TORCH_CHECK_VALUE(t.is_contiguous() && t.numel() == numel && t.device() == device_, "gradzip: ",
                     name, " must be a contiguous tensor of ", numel, " elements on ", device_,
                     ", got ", t.numel(), " on ", t.device());
+}
+
+const Codec& BucketReduction::codec_of(const Piece& p) const {
+  return p.exact ? fp32_codec() : codec_;
 }
 
 void BucketReduction::encode_pieces(const float* x, float* residual, uint8_t* out,

@@ -72,7 +72,6 @@ CastSum parse_cast_sum(const std::string& name);
 struct Piece {
   int64_t len = 0;
   bool exact = false;
-  bool operator==(const Piece& o) const { return len == o.len && exact == o.exact; }
 };
 
 // Where the bytes go: a pure function of the codec, W, n, the tensor sizes and which of them
@@ -142,7 +141,7 @@ class BucketReduction {
   at::Tensor decode_status;
 
  private:
-  const Codec& codec_of(const Piece& p) const { return p.exact ? exact_codec_ : codec_; }
+  const Codec& codec_of(const Piece& p) const;
   void encode_pieces(const float* x, float* residual, uint8_t* out,
                      const std::vector<Piece>& pieces, float prescale);
   void decode_pieces(const uint8_t* wire, float* out, const std::vector<Piece>& pieces, bool add,
@@ -150,7 +149,6 @@ class BucketReduction {
   void check_float(const char* name, const at::Tensor& t, int64_t numel) const;
 
   Codec codec_;
-  Codec exact_codec_;  // fp32, for the exact pieces
   BucketLayout layout_;
   int64_t rank_;
   c10::Device device_;

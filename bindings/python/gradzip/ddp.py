@@ -510,10 +510,12 @@ class SimulatedWorkers:
         n = flats[0].numel()
         if any(f.numel() != n or f.device != flats[0].device for f in flats):
             raise ValueError("gradzip: all gradients must have the same numel and device")
-        if shapes is not None and numels is not None:
+        if shapes is None:
+            shapes = [(n,)] if numels is None else [(int(m),) for m in numels]
+        elif numels is None:
+            shapes = [tuple(int(d) for d in s) for s in shapes]
+        else:
             raise ValueError("gradzip: give numels or shapes, not both")
-        shapes = ([(n,)] if numels is None else [(int(m),) for m in numels]) if shapes is None \
-            else [tuple(int(d) for d in s) for s in shapes]
         if sum(math.prod(s) for s in shapes) != n or any(d < 0 for s in shapes for d in s):
             raise ValueError(f"gradzip: tensors of shapes {shapes} do not partition the {n} "
                              "elements")

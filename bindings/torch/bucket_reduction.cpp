@@ -13,6 +13,12 @@ namespace {
 
 bool block_scaled(CodecKind k) { return k == CodecKind::int8 || k == CodecKind::sign; }
 
+// The codec of the exact pieces: fp32 decodes to the very floats it was given.
+const Codec& fp32_codec() {
+  static const Codec codec = Codec::parse("fp32");
+  return codec;
+}
+
 // Lengths of the pieces of [lo, hi) cut at the sorted bucket offsets `cuts`, none shorter than
 // kMinPiece (unless [lo, hi) is).
 std::vector<int64_t> piece_lengths(int64_t lo, int64_t hi, const std::vector<int64_t>& cuts) {
@@ -28,8 +34,34 @@ std::vector<int64_t> piece_lengths(int64_t lo, int64_t hi, const std::vector<int
   return lens;
 }
 
+// The pieces of shard [lo, hi) of a bucket whose tensor i ends at ends[i] and is exact[i]: cut
+// wherever exactness changes (an exact piece never merges with a compressed one), each run of
+// tensors of one kind then cut by piece_lengths.
+std::vector<Piece> shard_pieces(int64_t lo, int64_t hi, const std::vector<int64_t>& ends,
+                                const std::vector<bool>& exact) {
+  std::vector<Piece> out;
+  std::vector<int64_t> cuts;  // interior tensor boundaries of the current run
+  int64_t start = lo;
+  for (size_t i = 0; i < ends.size() && start < hi; ++i) {
+    const int64_t end = std::min(ends[i], hi);
+    if (end <= start) continue;  // a tensor before the shard
+    if (end < hi && exact[i + 1] == exact[i]) {
+      cuts.push_back(end);
+      continue;
+    }
+    for (const int64_t m : piece_lengths(start, end, cuts)) out.push_back({m, exact[i]});
+    cuts.clear();
+    start = end;
+  }
+  return out;
+}
+
 int64_t slot_bytes(const Codec& codec, int64_t n) {
   return static_cast<int64_t>(message_slot_bytes(codec.encoded_bytes(static_cast<size_t>(n))));
+}
+
+int64_t slot_bytes(const Codec& codec, const Piece& p) {
+  return slot_bytes(p.exact ? fp32_codec() : codec, p.len);
 }
 
 }  // namespace
@@ -41,17 +73,19 @@ CastSum parse_cast_sum(const std::string& name) {
 }
 
 BucketLayout::BucketLayout(const Codec& codec, int64_t world_, const std::vector<int64_t>& numels,
-                           Collective collective_, CastSum cast_sum)
+                           Collective collective_, CastSum cast_sum,
+                           const std::vector<bool>& exact)
     : world(world_), collective(collective_) {
   TORCH_CHECK_VALUE(world >= 1, "gradzip: world size must be >= 1, got ", world);
   TORCH_CHECK_VALUE(!numels.empty(), "gradzip: a bucket holds at least one tensor");
-  std::vector<int64_t> cuts;
+  TORCH_CHECK_VALUE(exact.empty() || exact.size() == numels.size(), "gradzip: ", exact.size(),
+                    " exact flags for a bucket of ", numels.size(), " tensors");
+  std::vector<int64_t> ends;
   for (const int64_t m : numels) {
     TORCH_CHECK_VALUE(m >= 1, "gradzip: tensor sizes of a bucket must be >= 1, got ", m);
     n += m;
-    cuts.push_back(n);
+    ends.push_back(n);
   }
-  cuts.pop_back();  // interior boundaries only
   wire_sum = collective == Collective::allreduce && cast_sum == CastSum::wire &&
              (codec.kind() == CodecKind::fp16 || codec.kind() == CodecKind::bf16);
   two_phase = !wire_sum &&
@@ -62,12 +96,17 @@ BucketLayout::BucketLayout(const Codec& codec, int64_t world_, const std::vector
   }
   TORCH_CHECK_VALUE(n >= world, "gradzip: a bucket of ", n, " elements cannot be sharded over ",
                     world, " ranks");
-  if (!block_scaled(codec.kind())) cuts.clear();
+  std::vector<bool> flags = exact;
+  if (flags.empty()) flags.assign(numels.size(), false);
+  if (!block_scaled(codec.kind())) {  // one message per shard
+    ends = {n};
+    flags = {false};
+  }
   starts = shard_starts(n, world);
   for (int64_t j = 0; j < world; ++j) {
-    pieces.push_back(piece_lengths(starts[j], starts[j + 1], cuts));
+    pieces.push_back(shard_pieces(starts[j], starts[j + 1], ends, flags));
     int64_t bytes = 0;
-    for (const int64_t m : pieces.back()) bytes += slot_bytes(codec, m);
+    for (const Piece& p : pieces.back()) bytes += slot_bytes(codec, p);
     shard_bytes.push_back(bytes);
   }
   if (collective == Collective::allreduce)
@@ -107,9 +146,9 @@ int64_t fp32_traffic(int64_t n, int64_t world) { return ring_allreduce_traffic(4
 BucketReduction::BucketReduction(const Codec& codec, int64_t world, int64_t rank,
                                  const std::vector<int64_t>& numels,
                                  const at::TensorOptions& device, Collective collective,
-                                 CastSum cast_sum)
+                                 CastSum cast_sum, const std::vector<bool>& exact)
     : codec_(codec),
-      layout_(codec, world, numels, collective, cast_sum),
+      layout_(codec, world, numels, collective, cast_sum, exact),
       rank_(rank),
       device_(device.device()) {
   TORCH_CHECK_VALUE(rank >= 0 && rank < world, "gradzip: rank ", rank, " outside [0, ", world, ")");
@@ -118,8 +157,9 @@ BucketReduction::BucketReduction(const Codec& codec, int64_t world, int64_t rank
   // Zeros: the padding between messages and of the all-gather slots is sent but never written.
   size_t ws = 0, decodes = 0;
   if (layout_.two_phase) {
-    for (const auto& p : layout_.pieces) {
-      for (const int64_t m : p) ws = std::max(ws, codec.workspace_bytes(static_cast<size_t>(m)));
+    for (const auto& shard : layout_.pieces) {
+      for (const Piece& p : shard)
+        ws = std::max(ws, codec_of(p).workspace_bytes(static_cast<size_t>(p.len)));
     }
     decodes = static_cast<size_t>(w) * layout_.pieces[rank].size();  // sum_shard's
     if (collective == Collective::allreduce)
@@ -153,32 +193,37 @@ void BucketReduction::check_float(const char* name, const at::Tensor& t, int64_t
                     ", got ", t.numel(), " on ", t.device());
 }
 
+const Codec& BucketReduction::codec_of(const Piece& p) const {
+  return p.exact ? fp32_codec() : codec_;
+}
+
 void BucketReduction::encode_pieces(const float* x, float* residual, uint8_t* out,
-                                    const std::vector<int64_t>& lens, float prescale) {
-  for (const int64_t m : lens) {
-    const size_t e = codec_.encoded_bytes(static_cast<size_t>(m));
+                                    const std::vector<Piece>& pieces, float prescale) {
+  for (const Piece& p : pieces) {
+    const Codec& codec = codec_of(p);
+    const size_t e = codec.encoded_bytes(static_cast<size_t>(p.len));
     guarded("compressed_allreduce", [&] {
-      encode_on(device_, codec_, x, residual, static_cast<size_t>(m), out, e, prescale,
+      encode_on(device_, codec, x, residual, static_cast<size_t>(p.len), out, e, prescale,
                 workspace_.data_ptr(), static_cast<size_t>(workspace_.numel()));
     });
-    x += m;
-    if (residual) residual += m;
+    x += p.len;
+    if (residual) residual += p.len;
     out += message_slot_bytes(e);
   }
 }
 
 void BucketReduction::decode_pieces(const uint8_t* wire, float* out,
-                                    const std::vector<int64_t>& lens, bool add,
+                                    const std::vector<Piece>& pieces, bool add,
                                     int64_t& status_index) {
-  for (const int64_t m : lens) {
-    const size_t e = codec_.encoded_bytes(static_cast<size_t>(m));
+  for (const Piece& p : pieces) {
+    const size_t e = codec_of(p).encoded_bytes(static_cast<size_t>(p.len));
     void* status = decode_status.defined()
                        ? static_cast<uint8_t*>(decode_status.data_ptr()) + 16 * status_index++
                        : nullptr;
     guarded("compressed_allreduce",
-            [&] { decode_on(device_, wire, e, out, static_cast<size_t>(m), add, status); });
+            [&] { decode_on(device_, wire, e, out, static_cast<size_t>(p.len), add, status); });
     wire += message_slot_bytes(e);
-    out += m;
+    out += p.len;
   }
 }
 
@@ -193,7 +238,7 @@ void BucketReduction::encode(const at::Tensor& x, const at::Tensor& residual, fl
   const float* in = x.const_data_ptr<float>();
   float* res = residual.defined() ? residual.data_ptr<float>() : nullptr;
   if (!layout_.two_phase) {
-    encode_pieces(in, res, gather_in.data_ptr<uint8_t>(), {n}, prescale);
+    encode_pieces(in, res, gather_in.data_ptr<uint8_t>(), {Piece{n}}, prescale);
     return;
   }
   uint8_t* out = send.data_ptr<uint8_t>();
@@ -236,13 +281,14 @@ void BucketReduction::decode(const at::Tensor& out) {
   // After reduce_owner's decodes (two-phase), so that every status word of the step is kept.
   int64_t status_index = layout_.two_phase ? w * static_cast<int64_t>(layout_.pieces[rank_].size()) : 0;
   if (layout_.wire_sum) {
-    decode_pieces(gather_in.const_data_ptr<uint8_t>(), o, {layout_.n}, /*add=*/false, status_index);
+    decode_pieces(gather_in.const_data_ptr<uint8_t>(), o, {Piece{layout_.n}}, /*add=*/false,
+                  status_index);
     return;
   }
   if (!layout_.two_phase) {
     out.zero_();
     for (int64_t j = 0; j < w; ++j)
-      decode_pieces(g + j * layout_.slot, o, {layout_.n}, /*add=*/true, status_index);
+      decode_pieces(g + j * layout_.slot, o, {Piece{layout_.n}}, /*add=*/true, status_index);
     return;
   }
   for (int64_t j = 0; j < w; ++j)

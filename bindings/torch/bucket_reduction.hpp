@@ -37,6 +37,12 @@
 // by orders of magnitude (the small tensor's error, fed back, would dominate its residual). Pieces
 // shorter than kMinPiece merge into a neighbour: there a 32-byte header costs more than a shared
 // scale. Messages follow each other in 16-byte aligned slots (the CUDA decoders' alignment).
+// Tensors marked `exact` (biases, norms: small, with gradient statistics of their own, where a
+// block's header is paid for few elements and the error is large) travel as fp32 messages in the
+// same exchange: every rank's fp32 share summed in rank order and re-encoded as fp32, so their
+// average is the exact fp32 sum and their residuals stay zero. An exact piece never merges with a
+// compressed one. Other codecs ignore the marks (fp32 and the casts carry every element already;
+// top-k selects over the whole bucket).
 //
 // Workspaces are allocated once, at construction; a bucket whose layout changes needs a new object.
 #pragma once
@@ -62,10 +68,18 @@ enum class CastSum { wire, fp32 };
 // "wire" or "fp32"; anything else is a ValueError.
 CastSum parse_cast_sum(const std::string& name);
 
-// Where the bytes go: a pure function of the codec, W, n and the tensor sizes.
+// One message of a shard: `len` elements, encoded with the bucket's codec or (exact) as fp32.
+struct Piece {
+  int64_t len = 0;
+  bool exact = false;
+};
+
+// Where the bytes go: a pure function of the codec, W, n, the tensor sizes and which of them
+// travel exact (`exact`: one flag per tensor, or empty for none).
 struct BucketLayout {
   BucketLayout(const Codec& codec, int64_t world, const std::vector<int64_t>& numels,
-               Collective collective = Collective::allreduce, CastSum cast_sum = CastSum::wire);
+               Collective collective = Collective::allreduce, CastSum cast_sum = CastSum::wire,
+               const std::vector<bool>& exact = {});
 
   int64_t world = 1;
   int64_t n = 0;
@@ -74,7 +88,7 @@ struct BucketLayout {
   bool two_phase = true;                     // shards exchanged by all-to-all (else wire_sum or
                                              // top-k's all-gather)
   std::vector<int64_t> starts;               // W + 1 shard offsets (two-phase)
-  std::vector<std::vector<int64_t>> pieces;  // per shard, the lengths of its messages
+  std::vector<std::vector<Piece>> pieces;    // per shard, its messages
   std::vector<int64_t> shard_bytes;          // per shard, its messages' bytes
   int64_t slot = 0;                          // bytes of one all-gather contribution (all-reduce),
                                              // or of the one message (wire_sum)
@@ -97,7 +111,8 @@ class BucketReduction {
  public:
   BucketReduction(const Codec& codec, int64_t world, int64_t rank,
                   const std::vector<int64_t>& numels, const at::TensorOptions& device,
-                  Collective collective = Collective::allreduce, CastSum cast_sum = CastSum::wire);
+                  Collective collective = Collective::allreduce, CastSum cast_sum = CastSum::wire,
+                  const std::vector<bool>& exact = {});
 
   const BucketLayout& layout() const { return layout_; }
   bool two_phase() const { return layout_.two_phase; }
@@ -126,9 +141,10 @@ class BucketReduction {
   at::Tensor decode_status;
 
  private:
+  const Codec& codec_of(const Piece& p) const;
   void encode_pieces(const float* x, float* residual, uint8_t* out,
-                     const std::vector<int64_t>& lens, float prescale);
-  void decode_pieces(const uint8_t* wire, float* out, const std::vector<int64_t>& lens, bool add,
+                     const std::vector<Piece>& pieces, float prescale);
+  void decode_pieces(const uint8_t* wire, float* out, const std::vector<Piece>& pieces, bool add,
                      int64_t& status_index);
   void check_float(const char* name, const at::Tensor& t, int64_t numel) const;
 

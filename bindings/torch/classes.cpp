@@ -2,8 +2,8 @@
 // (gradzip.ddp) and its in-process simulation:
 //   CompressedAllreduce(group_name, codec, guard?, cast_sum="wire")   over the registered process
 //                                                    group of that name
-//   BucketReduction(codec, world, rank, numels, like, cast_sum="wire")   one rank's phases,
-//                                                    exchange done by the caller
+//   BucketReduction(codec, world, rank, numels, like, cast_sum="wire", exact=[])   one rank's
+//                                                    phases, exchange done by the caller
 //   LowRankReduction(rank, world, numels, rows, like)   one rank's phases of lowrank:R, the
 //                                                    all-reduces done by the caller
 //   NonfiniteGuard()
@@ -24,6 +24,9 @@ namespace {
 
 at::Tensor or_undefined(const std::optional<at::Tensor>& t) { return t.value_or(at::Tensor()); }
 
+// TorchScript's bool[] (c10::List<bool>; its binder takes no std::vector<bool>).
+std::vector<bool> flags(const c10::List<bool>& list) { return {list.begin(), list.end()}; }
+
 Codec parse_spec(const std::string& spec) {
   return guarded("compressed_allreduce", [&] { return Codec::parse(spec); });
 }
@@ -33,9 +36,9 @@ class PyBucketReduction : public torch::CustomClassHolder {
  public:
   PyBucketReduction(const std::string& spec, int64_t world, int64_t rank,
                     const std::vector<int64_t>& numels, const at::Tensor& like,
-                    const std::string& cast_sum)
+                    const std::string& cast_sum, const c10::List<bool>& exact)
       : r(parse_spec(spec), world, rank, numels, like.options(), Collective::allreduce,
-          parse_cast_sum(cast_sum)) {}
+          parse_cast_sum(cast_sum), flags(exact)) {}
   BucketReduction r;
 };
 
@@ -57,8 +60,8 @@ int64_t lowrank_rank_of(const std::string& spec) { return parse_lowrank(spec).va
 
 std::vector<int64_t> traffic_of(const std::string& spec, int64_t world, int64_t rank,
                                 const std::vector<int64_t>& numels, Collective collective,
-                                CastSum cast_sum) {
-  const BucketLayout layout(parse_spec(spec), world, numels, collective, cast_sum);
+                                CastSum cast_sum, const std::vector<bool>& exact) {
+  const BucketLayout layout(parse_spec(spec), world, numels, collective, cast_sum, exact);
   TORCH_CHECK_VALUE(rank >= 0 && rank < world, "gradzip: rank ", rank, " outside [0, ", world, ")");
   const auto [sent, received] = layout.traffic(rank);
   return {sent, received};
@@ -66,13 +69,16 @@ std::vector<int64_t> traffic_of(const std::string& spec, int64_t world, int64_t 
 
 std::vector<int64_t> bucket_traffic(const std::string& spec, int64_t world, int64_t rank,
                                     const std::vector<int64_t>& numels,
-                                    const std::string& cast_sum) {
-  return traffic_of(spec, world, rank, numels, Collective::allreduce, parse_cast_sum(cast_sum));
+                                    const std::string& cast_sum, const c10::List<bool>& exact) {
+  return traffic_of(spec, world, rank, numels, Collective::allreduce, parse_cast_sum(cast_sum),
+                    flags(exact));
 }
 
 std::vector<int64_t> reduce_scatter_traffic(const std::string& spec, int64_t world, int64_t rank,
-                                            const std::vector<int64_t>& numels) {
-  return traffic_of(spec, world, rank, numels, Collective::reduce_scatter, CastSum::fp32);
+                                            const std::vector<int64_t>& numels,
+                                            const c10::List<bool>& exact) {
+  return traffic_of(spec, world, rank, numels, Collective::reduce_scatter, CastSum::fp32,
+                    flags(exact));
 }
 
 }  // namespace
@@ -100,15 +106,18 @@ TORCH_LIBRARY_FRAGMENT(gradzip, m) {
            [](const c10::intrusive_ptr<CompressedAllreduce>& self, int64_t index,
               const at::Tensor& bucket, const at::Tensor& x, const std::vector<int64_t>& numels,
               const std::optional<at::Tensor>& residual,
-              const std::optional<at::Tensor>& owner_residual, bool compress) -> c10::IValue {
+              const std::optional<at::Tensor>& owner_residual, bool compress,
+              const c10::List<bool>& exact) -> c10::IValue {
              return self->reduce(index, bucket, x, numels, or_undefined(residual),
-                                 or_undefined(owner_residual), compress);
+                                 or_undefined(owner_residual), compress, flags(exact));
            })
       .def("reduce_scatter",
            [](const c10::intrusive_ptr<CompressedAllreduce>& self, int64_t index,
               const at::Tensor& output, const at::Tensor& x, const std::vector<int64_t>& numels,
-              const std::optional<at::Tensor>& residual, double prescale) -> c10::IValue {
-             return self->reduce_scatter(index, output, x, numels, or_undefined(residual), prescale);
+              const std::optional<at::Tensor>& residual, double prescale,
+              const c10::List<bool>& exact) -> c10::IValue {
+             return self->reduce_scatter(index, output, x, numels, or_undefined(residual), prescale,
+                                         flags(exact));
            })
       .def("reduce_lowrank",
            [](const c10::intrusive_ptr<CompressedAllreduce>& self, int64_t index,
@@ -135,9 +144,11 @@ TORCH_LIBRARY_FRAGMENT(gradzip, m) {
                         const at::Tensor& q) { s->r.finish(x, or_undefined(residual), q); });
 
   m.class_<PyBucketReduction>("BucketReduction")
-      .def(torch::init<std::string, int64_t, int64_t, std::vector<int64_t>, at::Tensor, std::string>(),
+      .def(torch::init<std::string, int64_t, int64_t, std::vector<int64_t>, at::Tensor, std::string,
+                       c10::List<bool>>(),
            "", {torch::arg("spec"), torch::arg("world"), torch::arg("rank"), torch::arg("numels"),
-                torch::arg("like"), torch::arg("cast_sum") = "wire"})
+                torch::arg("like"), torch::arg("cast_sum") = "wire",
+                torch::arg("exact") = c10::List<bool>()})
       .def("two_phase", [](const c10::intrusive_ptr<PyBucketReduction>& s) { return s->r.two_phase(); })
       .def("wire_sum", [](const c10::intrusive_ptr<PyBucketReduction>& s) { return s->r.wire_sum(); })
       .def("payload", [](const c10::intrusive_ptr<PyBucketReduction>& s) { return s->r.payload; })
@@ -163,9 +174,11 @@ TORCH_LIBRARY_FRAGMENT(gradzip, m) {
                            : std::vector<int64_t>{0, l.n};
       });
 
-  m.def("bucket_traffic(str spec, int world, int rank, int[] numels, str cast_sum=\"wire\") -> int[]",
+  m.def("bucket_traffic(str spec, int world, int rank, int[] numels, str cast_sum=\"wire\", "
+        "bool[] exact=[]) -> int[]",
         &bucket_traffic);
-  m.def("reduce_scatter_traffic(str spec, int world, int rank, int[] numels) -> int[]",
+  m.def("reduce_scatter_traffic(str spec, int world, int rank, int[] numels, bool[] exact=[]) "
+        "-> int[]",
         &reduce_scatter_traffic);
   m.def("fp32_traffic(int n, int world) -> int", &fp32_traffic);
   m.def("shard_starts(int n, int world) -> int[]", &shard_starts);

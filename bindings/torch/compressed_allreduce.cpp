@@ -67,13 +67,15 @@ const Codec& CompressedAllreduce::codec() const {
 }
 
 std::shared_ptr<BucketReduction> CompressedAllreduce::bucket_reduction(
-    int64_t index, const std::vector<int64_t>& numels, const at::Tensor& x, Collective collective) {
+    int64_t index, const std::vector<int64_t>& numels, const std::vector<bool>& exact,
+    const at::Tensor& x, Collective collective) {
   auto& cached = buckets_[index];
-  if (!cached.reduction || cached.numels != numels ||
+  if (!cached.reduction || cached.numels != numels || cached.exact != exact ||
       cached.reduction->layout().collective != collective ||
       cached.reduction->gathered.device() != x.device())
-    cached = {numels, std::make_shared<BucketReduction>(codec(), world(), rank(), numels,
-                                                        x.options(), collective, cast_sum_)};
+    cached = {numels, exact,
+              std::make_shared<BucketReduction>(codec(), world(), rank(), numels, x.options(),
+                                                collective, cast_sum_, exact)};
   return cached.reduction;
 }
 
@@ -108,7 +110,7 @@ void run(c10d::ProcessGroup& group, BucketReduction& r, const at::Tensor& x,
 c10::intrusive_ptr<c10::ivalue::Future> CompressedAllreduce::reduce(
     int64_t index, const at::Tensor& bucket, const at::Tensor& x,
     const std::vector<int64_t>& numels, const at::Tensor& residual,
-    const at::Tensor& owner_residual, bool compress) {
+    const at::Tensor& owner_residual, bool compress, const std::vector<bool>& exact) {
   TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat || !compress,
                    "gradzip: the values to compress must be float32");
   TORCH_CHECK_VALUE(x.is_contiguous() && bucket.numel() == x.numel() &&
@@ -116,7 +118,7 @@ c10::intrusive_ptr<c10::ivalue::Future> CompressedAllreduce::reduce(
                     "gradzip: the bucket and its float32 values must match in size and device");
   compress = compress && world() > 1;
   std::shared_ptr<BucketReduction> r =
-      compress ? bucket_reduction(index, numels, x, Collective::allreduce) : nullptr;
+      compress ? bucket_reduction(index, numels, exact, x, Collective::allreduce) : nullptr;
   TORCH_CHECK_VALUE(!owner_residual.defined() || !r || !r->wire_sum(),
                     "gradzip: an owner residual needs the two-phase sum; ", codec().name(),
                     " buckets are summed by one all-reduce in the wire dtype (cast_sum 'fp32' "
@@ -162,14 +164,15 @@ c10::intrusive_ptr<c10::ivalue::Future> CompressedAllreduce::reduce_lowrank(
 
 c10::intrusive_ptr<c10::ivalue::Future> CompressedAllreduce::reduce_scatter(
     int64_t index, const at::Tensor& output, const at::Tensor& x, const std::vector<int64_t>& numels,
-    const at::Tensor& residual, double prescale) {
+    const at::Tensor& residual, double prescale, const std::vector<bool>& exact) {
   TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat, "gradzip: the values to compress must be float32");
   TORCH_CHECK_VALUE(x.is_contiguous() && output.is_contiguous() &&
                         x.numel() == world() * output.numel() && output.device() == x.device(),
                     "gradzip: reduce_scatter needs a contiguous input of world size (", world(),
                     ") times the output's ", output.numel(), " elements on its device, got ",
                     x.numel(), " elements");
-  std::shared_ptr<BucketReduction> r = bucket_reduction(index, numels, x, Collective::reduce_scatter);
+  std::shared_ptr<BucketReduction> r =
+      bucket_reduction(index, numels, exact, x, Collective::reduce_scatter);
   // The sum is fp32; an output of another dtype receives it rounded once.
   const at::Tensor sum = output.scalar_type() == at::kFloat ? output : output.to(at::kFloat);
   return launch(index, output, r, [group = group_, guard = guard_, r, output, sum, x, residual,

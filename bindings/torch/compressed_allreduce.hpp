@@ -58,11 +58,14 @@ class CompressedAllreduce : public torch::CustomClassHolder {
   // average, which is then copied into `bucket` if they differ. `numels`: the sizes of the tensors
   // the bucket holds, in order. `residual` (numel of x) / `owner_residual` (this rank's shard of a
   // two-phase bucket): error feedback, or undefined. compress = false: an fp32 all-reduce of x / W.
+  // `exact`: per tensor, whether it travels uncompressed (fp32, see bucket_reduction.hpp), or
+  // empty for none.
   c10::intrusive_ptr<c10::ivalue::Future> reduce(int64_t index, const at::Tensor& bucket,
                                                  const at::Tensor& x,
                                                  const std::vector<int64_t>& numels,
                                                  const at::Tensor& residual,
-                                                 const at::Tensor& owner_residual, bool compress);
+                                                 const at::Tensor& owner_residual, bool compress,
+                                                 const std::vector<bool>& exact = {});
 
   // The low-rank average of `bucket` for a "lowrank:R" object (lowrank_reduction.hpp): two
   // all-reduces on the same thread / stream as reduce(). `rows`: each tensor's first dimension
@@ -79,12 +82,14 @@ class CompressedAllreduce : public torch::CustomClassHolder {
   // [j * S, (j + 1) * S)) is encoded as x * prescale with error feedback into `residual` (numel of x,
   // or undefined); `output` (S elements, any float dtype) receives this rank's shard of the sum,
   // decoded in rank order in fp32. `numels`: the sizes of the tensor pieces x holds, in order
-  // (block-scaled codecs restart their blocks at each). Same threads, Future and errors as reduce().
+  // (block-scaled codecs restart their blocks at each), `exact` which of them travel in fp32 (as in
+  // reduce()). Same threads, Future and errors as reduce().
   c10::intrusive_ptr<c10::ivalue::Future> reduce_scatter(int64_t index, const at::Tensor& output,
                                                          const at::Tensor& x,
                                                          const std::vector<int64_t>& numels,
                                                          const at::Tensor& residual,
-                                                         double prescale);
+                                                         double prescale,
+                                                         const std::vector<bool>& exact = {});
 
   // Raises the first decode error found since the last call (CUDA: among the decodes the stream
   // has completed; later ones are checked at a later call). CPU errors reach the Future instead.
@@ -106,6 +111,7 @@ class CompressedAllreduce : public torch::CustomClassHolder {
   static void serve(const std::shared_ptr<Queue>& queue);
 
   std::shared_ptr<BucketReduction> bucket_reduction(int64_t index, const std::vector<int64_t>& numels,
+                                                    const std::vector<bool>& exact,
                                                     const at::Tensor& x, Collective collective);
   // Runs `body` (a reduction that leaves its value in `result`, capturing no `this`) on the CPU
   // thread, or at once on the CUDA stream (then watches r's decodes); returns the Future of `result`.
@@ -127,6 +133,7 @@ class CompressedAllreduce : public torch::CustomClassHolder {
   CastSum cast_sum_;
   struct Cached {
     std::vector<int64_t> numels;
+    std::vector<bool> exact;
     std::shared_ptr<BucketReduction> reduction;
   };
   std::unordered_map<int64_t, Cached> buckets_;  // touched by the caller's thread only

@@ -166,7 +166,10 @@ void LowRankReduction::finish(const at::Tensor& x, const at::Tensor& residual,
     at::Tensor e = residual.defined() ? matrix(residual, piece) : at::Tensor();
     if (e.defined()) e.copy_(m);
     at::mm_out(m, p_factor(piece), q_factor(q, piece).t());
-    if (e.defined()) e.sub_(m);
+    // This rank's share of what the approximation left out: the W residuals sum to the sum's
+    // M - P Q^T. Subtracting all of P Q^T on every rank would feed back (1 - W) times the
+    // approximated part (it oscillates at W = 2 and grows without bound above).
+    if (e.defined()) e.sub_(m, 1.0 / static_cast<double>(world_));
   }
 }
 

@@ -9,8 +9,9 @@
 //   all-reduce  SUM of p (the tail sums to the uncompressed average);
 //   compute_q   P's columns are orthonormalised, Q = M^T P, written over the caller's q;
 //   all-reduce  SUM of q;
-//   finish      x = P Q^T (the average's rank-r approximation), residual = M - P Q^T; the
-//               uncompressed tensors take the tail of p.
+//   finish      x = P Q^T (the average's rank-r approximation), residual = M - P Q^T / W (the
+//               residuals of the W ranks sum to sum(M) - P Q^T, what the approximation left out);
+//               the uncompressed tensors take the tail of p.
 // One bucket is exactly two all-reduces, whatever its tensors. P and Q of each tensor are views of
 // the flat buffers written by at::mm_out: tensors of one shape are never stacked into a copy.
 #pragma once

@@ -132,7 +132,8 @@ def train(rank, world, outdir, configs):
         state = CompressionState(cfg["codec"], min_compress_numel=cfg.get("min_numel", 32),
                                  warmup_steps=config_warmup(cfg),
                                  optimizer=None if cfg.get("optimizer") is None else opt,
-                                 cast_sum=cfg.get("cast_sum"))
+                                 cast_sum=cfg.get("cast_sum"),
+                                 uncompressed_numel=cfg.get("uncompressed_numel", 0))
         records = []
         ddp.register_comm_hook(state, recording_hook(records))
         stats = []

@@ -91,6 +91,22 @@ def step0(rank, world, outdir, codecs):
     _save(outdir, "step0", rank, out)
 
 
+def uncompressed(rank, world, outdir, codecs):
+    """Step-0 sharded gradients with the biases sent in fp32 (uncompressed_numel=1: the 1-D
+    tensors), all compressed, and uncompressed FSDP2's."""
+    model = make_model()
+    loss_of(model, 0, rank).backward()
+    out = {None: local_grads(model)}
+    for codec in codecs:
+        for u in (0, 1):
+            model = make_model()
+            state = gradzip.fsdp.compress(model, codec, min_compress_numel=0, uncompressed_numel=u)
+            loss_of(model, 0, rank).backward()
+            out[(codec, u)] = local_grads(model)
+            out[(codec, u, "stats")] = state.stats
+    _save(outdir, "uncompressed", rank, out)
+
+
 def train(rank, world, outdir, codecs, steps=4):
     """A few optimizer steps per codec and optimizer; the full parameters of every rank."""
     out = {}

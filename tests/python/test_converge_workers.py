@@ -93,3 +93,23 @@ def test_bucketed_reduction_matches_per_bucket_simulation():
         red.reduce(gs[:2])
     with pytest.raises(ValueError, match="parameters"):
         red.reduce([g[:-1] for g in gs])
+
+
+def test_uncompressed_tensors_per_run():
+    """``--uncompressed-numel N`` reaches the simulated reduction (the bias travels in fp32: its
+    average is the fp32 sum of g / 2, its bytes counted) and names the run."""
+    from dataclasses import replace
+
+    from gradzip.converge.cli import overrides, parse_args
+    from gradzip.converge.training import RunConfig
+
+    shapes = [(100, 50), (50,)]
+    gs = [torch.randn(5050, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+    plain = Reducer("int8", 2, param_shapes=shapes)
+    exact = Reducer("int8", 2, param_shapes=shapes, uncompressed_numel=1)
+    out, ref = exact.reduce(gs), plain.reduce(gs)
+    assert torch.equal(out[5000:], gs[0][5000:] * 0.5 + gs[1][5000:] * 0.5)
+    assert not torch.equal(ref[5000:], out[5000:])
+    assert exact.bytes_per_step > plain.bytes_per_step
+    cfg = replace(RunConfig(), **overrides(parse_args(["--uncompressed-numel", "4096"])))
+    assert cfg.uncompressed_numel == 4096 and replace(cfg, codec="int8").name == "int8+u4096"

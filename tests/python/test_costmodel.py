@@ -187,3 +187,19 @@ def test_cli_rejects_bad_arguments():
     r = subprocess.run([sys.executable, "-m", "gradzip.costmodel", "--params", "1e6",
                         "--codecs", "zstd"], capture_output=True, text=True)
     assert r.returncode == 2 and "unknown codec" in r.stderr
+
+
+def test_uncompressed_tensors_cost_fp32_bytes():
+    """int8/sign with uncompressed_numel: the flagged tensors' elements travel as an fp32 message
+    per shard next to the compressed one; other codecs are unchanged."""
+    shapes = [(1000, 100), (100,), (7, 5)]
+    p = 4
+    for spec in ("int8", "sign"):
+        codec = cm.Codec.parse(spec, uncompressed_numel=50)
+        assert codec.uncompressed_elements(shapes) == 135
+        shard = codec.encoded_bytes(25_000) + 32 + 4 * 34
+        assert cm.bucket_cost(codec, shapes, p, LINK).sent_bytes == pytest.approx(2 * (p - 1) * shard)
+        assert cm.bucket_cost(cm.Codec.parse(spec), shapes, p, LINK).sent_bytes < 2 * (p - 1) * shard
+    topk = cm.Codec.parse("topk:0.01", uncompressed_numel=50)
+    assert cm.bucket_cost(topk, shapes, p, LINK) == cm.bucket_cost(cm.Codec.parse("topk:0.01"),
+                                                                   shapes, p, LINK)

@@ -4,7 +4,6 @@ reference of the same algorithm) bit for bit, agreement with PyTorch's fp16_comp
 overflow steps, checkpoint/resume, mismatched configurations, unused parameters with
 gradient_as_bucket_view, and the bucket rebuild (iterations 1-3, static_graph on and off)."""
 
-import math
 import os
 
 import pytest
@@ -22,7 +21,7 @@ def load(outdir, name, world):
 
 
 def check_replicas_and_reference(runs, codec, world, min_numel=32, warmup=0, optimizer=None,
-                                 cast_sum=None):
+                                 cast_sum=None, uncompressed_numel=0):
     """Replicas bitwise identical; every bucket's reduced value equals SimulatedWorkers fed with
     the ranks' local bucket gradients (and, with a gradzip.optim ``optimizer``, computing the same
     updates). Uncompressed steps are the backend's fp32 all-reduce, whose summation order for
@@ -39,7 +38,7 @@ def check_replicas_and_reference(runs, codec, world, min_numel=32, warmup=0, opt
     assert len(recs[0]) > 0 and all(len(x) == len(recs[0]) for x in recs)
     opt = None if optimizer is None else sc.make_optimizer(optimizer, [torch.nn.Parameter(torch.zeros(1))])
     sim = SimulatedWorkers(codec, world, min_compress_numel=min_numel, warmup_steps=warmup,
-                           optimizer=opt, cast_sum=cast_sum)
+                           optimizer=opt, cast_sum=cast_sum, uncompressed_numel=uncompressed_numel)
     state_from_averages = opt is not None and opt.direction.needs_warmup and world > 2
     layouts = set()
     for k, (key, _, out0, params) in enumerate(recs[0]):
@@ -49,9 +48,8 @@ def check_replicas_and_reference(runs, codec, world, min_numel=32, warmup=0, opt
             assert recs[r][k][0] == key
             assert torch.equal(recs[r][k][2], out0), f"{codec}: rank {r} bucket {index} differs"
         sim.step = step  # warm-up policy follows the hook's step count
-        numels = [math.prod(shape) for shape in layout] or None  # the bucket's tensors
         expected = sim.reduce([recs[r][k][1] for r in range(world)], bucket_index=(index, layout),
-                              numels=numels, keys=params or None)
+                              shapes=list(layout) or None, keys=params or None)
         if step < warmup or out0.numel() < max(min_numel, world):
             # plain fp32 all-reduce: the backend's summation order, equal to fp32 rounding (an
             # Adam update divides it by sqrt(v), which magnifies it where v is small)
@@ -81,6 +79,10 @@ TRAIN = [(f"{codec.replace(':', '_')}_{int(static)}", {"codec": codec, "static_g
 TRAIN.append(("warmup", {"codec": "int8", "warmup": 2, "steps": 4}))  # then compression starts
 TRAIN += [(f"{codec}_fp32sum", {"codec": codec, "cast_sum": "fp32", "steps": 4})
           for codec in ("fp16", "bf16")]  # the two-phase sum: equal to the simulation bit for bit
+# biases and the 40x7 weight in fp32 beside compressed weights
+TRAIN += [(f"{codec.split(':')[0]}_uncompressed", {"codec": codec, "uncompressed_numel": 300,
+                                                    "steps": 4})
+          for codec in ("int8", "sign:block=64")]
 DIRECTION = [("adamw_sign", {"codec": "sign:block=64", "optimizer": "adamw", "steps": 4}),
              ("sgd_topk", {"codec": "topk:0.1", "optimizer": "sgd", "steps": 4}),
              ("adamw_int8_warmup", {"codec": "int8", "optimizer": "adamw", "warmup": 2, "steps": 4})]
@@ -111,7 +113,8 @@ def test_replicas_identical_and_equal_to_simulation_across_rebuild(session, name
     world, outdir = session
     runs = load(outdir, name, world)
     layouts = check_replicas_and_reference(runs, cfg["codec"], world, warmup=cfg.get("warmup", 0),
-                                           cast_sum=cfg.get("cast_sum"))
+                                           cast_sum=cfg.get("cast_sum"),
+                                           uncompressed_numel=cfg.get("uncompressed_numel", 0))
     # iterations 1-3 crossed DDP's bucket rebuild: one bucket first, several afterwards
     assert len({index for index, _ in layouts}) > 1, name
     stats = [run["stats"] for run in runs]
@@ -121,6 +124,16 @@ def test_replicas_identical_and_equal_to_simulation_across_rebuild(session, name
         assert last["compression_ratio"] > 1.5, (name, last)
     if "warmup" in cfg:
         assert stats[0][0]["compressed_buckets"] == 0 and stats[0][3]["compressed_buckets"] > 0
+
+
+def test_uncompressed_tensors_are_counted(session):
+    """The hook's stats count the fp32 tensors: more bytes than the same steps all in int8 (the
+    bytes themselves: test_simulated.py's buffers, the same C++ layout)."""
+    world, outdir = session
+    fp32_beside = load(outdir, "int8_uncompressed", world)[0]["stats"][-1]
+    all_int8 = load(outdir, "int8_0", world)[0]["stats"][-1]
+    assert fp32_beside["raw_bytes"] == all_int8["raw_bytes"]
+    assert fp32_beside["bytes_sent"] > all_int8["bytes_sent"]
 
 
 @pytest.mark.parametrize("name,cfg", DIRECTION, ids=[n for n, _ in DIRECTION])

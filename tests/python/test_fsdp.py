@@ -19,6 +19,7 @@ NONFINITE = ["bf16", "int8", "sign:block=64", "topk:0.1"]
 RESUME = ["int8", "topk:0.1"]
 MISMATCH = ["int8", "sign"]
 PARAM = [None, "bf16", "int8:block=64"]
+UNCOMPRESSED = ["int8", "sign:block=64"]
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"world{w}")
@@ -28,6 +29,7 @@ def session(request, tmp_path_factory):
     outdir = tmp_path_factory.mktemp(f"fsdp{world}")
     plan = [("step0", (STEP0,)), ("train", ([None] + TRAIN,)), ("nonfinite", (NONFINITE,)),
             ("resume", (RESUME,)), ("async_call", ("int8",)), ("param_gather", (PARAM,)),
+            ("uncompressed", (UNCOMPRESSED,)),
             ("mismatched", (MISMATCH,))]  # last: it leaves a backward pass unfinished
     run_ranks(sc.session, world, str(outdir), plan, timeout=300)
     return world, outdir
@@ -67,6 +69,25 @@ def test_step0_gradients_match_uncompressed_fsdp(session, policy):
             low = 0.9 if policy.startswith("reduce_") and codec in ("bf16", "fp16") else 1.5
             if codec not in ("fp32", "topk:1"):
                 assert stats["compression_ratio"] > low, (codec, stats)
+
+
+def test_biases_sent_uncompressed(session):
+    """uncompressed_numel=1: the biases' sharded gradients are FSDP's fp32 ones (to the
+    backend's summation order; equal at W = 2), where compressed they are not; the weights stay
+    compressed, and the stats count the fp32 bytes."""
+    world, outdir = session
+    for run in load(outdir, "uncompressed", world):
+        ref = run[None]
+        for codec in UNCOMPRESSED:
+            for i, e in enumerate(ref):
+                exact, compressed = run[(codec, 1)][i], run[(codec, 0)][i]
+                if e.dim() == 1:
+                    assert rel(exact, e) <= 1e-6 and (world > 2 or torch.equal(exact, e)), (codec, i)
+                    assert rel(compressed, e) > 1e-4, (codec, i)
+                else:
+                    assert 1e-4 < rel(exact, e) < 1.0, (codec, i)
+            sent = [run[(codec, u, "stats")]["bytes_sent"] for u in (0, 1)]
+            assert sent[1] > sent[0], (codec, sent)
 
 
 def test_parameters_identical_on_every_rank_after_training(session):

@@ -10,7 +10,8 @@ two-phase fp32 sum; the default one all-reduce in the wire dtype is test_cast_al
   * two-phase codecs (fp32, fp16, bf16, int8, sign): the bucket is cut into W shards (the first
     n % W get n // W + 1 elements); int8/sign cut each shard further at the bucket's tensor
     boundaries (a cut only where both sides keep >= 64 elements) and restart their blocks at each
-    piece; the owner of a shard sums the W decoded contributions in rank order and re-encodes the
+    piece; with ``uncompressed_numel``, the tensors it names are pieces of their own (always cut
+    where a tensor's kind changes) encoded as fp32; the owner of a shard sums the W decoded contributions in rank order and re-encodes the
     sum (prescale 1, no residual); everyone decodes every re-encoded shard;
   * top-k: each rank keeps the k = min(n, max(1, ceil(ratio * n))) largest |c| (ties to the lowest
     index), every rank adds the W decoded payloads in rank order into zeros;
@@ -80,18 +81,35 @@ def shard_starts(n, world):
     return starts
 
 
-def pieces(lo, hi, numels):
-    """[a, b) message ranges of shard [lo, hi): cut at tensor boundaries keeping >= 64 each side."""
-    cuts, acc = [], 0
-    for m in numels[:-1]:
+def pieces(lo, hi, numels, exact=None):
+    """(a, b, exact) messages of shard [lo, hi): cut where a tensor's ``exact`` flag changes, and
+    at the other tensor boundaries where both sides keep >= 64 elements of their run."""
+    exact = exact or [False] * len(numels)
+    ends, acc = [], 0
+    for m in numels:
         acc += m
-        cuts.append(acc)
-    out, start = [], lo
-    for cut in cuts:
-        if cut - start >= MIN_PIECE and hi - cut >= MIN_PIECE:
-            out.append((start, cut))
-            start = cut
-    out.append((start, hi))
+        ends.append(acc)
+    runs, start = [], lo  # (a, b, exact, interior tensor boundaries)
+    cuts = []
+    for i, end in enumerate(ends):
+        end = min(end, hi)
+        if end <= start:
+            continue
+        if end < hi and exact[i + 1] == exact[i]:
+            cuts.append(end)
+            continue
+        runs.append((start, end, exact[i], cuts))
+        start, cuts = end, []
+        if end == hi:
+            break
+    out = []
+    for a, b, ex, run_cuts in runs:
+        s = a
+        for cut in run_cuts:
+            if cut - s >= MIN_PIECE and b - cut >= MIN_PIECE:
+                out.append((s, cut, ex))
+                s = cut
+        out.append((s, b, ex))
     return out
 
 
@@ -154,9 +172,11 @@ def encode_decode(codec, x, mirror):
     raise AssertionError(kind)
 
 
-def reference(spec, grads, residuals, numels, mirror=False):
-    """The compressed average of ``grads`` (float32, one per rank) with ``residuals`` (float32)."""
+def reference(spec, grads, residuals, numels, mirror=False, exact=None):
+    """The compressed average of ``grads`` (float32, one per rank) with ``residuals`` (float32);
+    ``exact``: per tensor, whether it travels as fp32 (int8/sign only)."""
     codec = parse(spec)
+    fp32 = parse("fp32")
     world = len(grads)
     n = grads[0].numel()
     rnd = f32 if mirror else (lambda t: t)
@@ -182,12 +202,14 @@ def reference(spec, grads, residuals, numels, mirror=False):
         total = out
     else:
         starts = shard_starts(n, world)
-        split = numels if codec["kind"] in ("int8", "sign") else [n]
-        ranges = [pieces(starts[j], starts[j + 1], split) for j in range(world)]
+        piecewise = codec["kind"] in ("int8", "sign")
+        split = numels if piecewise else [n]
+        ranges = [pieces(starts[j], starts[j + 1], split, exact if piecewise else None)
+                  for j in range(world)]
         for r, c in enumerate(cs):
             for rs in ranges:
-                for a, b in rs:
-                    d, s = encode_decode(codec, c[a:b], mirror)
+                for a, b, ex in rs:
+                    d, s = encode_decode(fp32 if ex else codec, c[a:b], mirror)
                     dec[r][a:b] = d
                     if s is not None:
                         scale[r][a:b] = s
@@ -195,8 +217,8 @@ def reference(spec, grads, residuals, numels, mirror=False):
         for d in dec:  # the owner's sum, rank order, from zero
             total = rnd(total + d)
         for rs in ranges:
-            for a, b in rs:
-                d, s = encode_decode(codec, total[a:b], mirror)
+            for a, b, ex in rs:
+                d, s = encode_decode(fp32 if ex else codec, total[a:b], mirror)
                 out[a:b] = d
                 if s is not None:
                     oscale[a:b] = s
@@ -415,3 +437,70 @@ def test_ties(codec, world):
     for o, res, m in ((o1, res1, m1), (o2, res2, m2)):
         assert torch.equal(o, m["out"])
         assert all(torch.equal(a, b) for a, b in zip(res, m["res"]))
+
+
+# ---- tensors sent uncompressed ----------------------------------------------------------------
+# Weights (2-D), biases and norms (1-D), small 2-D tensors; odd sizes. With uncompressed_numel 50
+# the 1-D ones and those under 50 elements travel as fp32: the flags written out here.
+SHAPES = [(40, 25), (37,), (3, 5), (64, 33), (6, 10), (31, 61), (65,), (1,), (5, 40), (2, 3, 9)]
+EXACT = [False, True, True, False, False, False, True, True, False, False]
+UNCOMPRESSED = 50
+
+
+def run_with_uncompressed(spec, world, steps):
+    sim = SimulatedWorkers(spec, world, min_compress_numel=0, uncompressed_numel=UNCOMPRESSED)
+    return [(sim.reduce(grads, shapes=SHAPES).to(F64), gz_residuals(sim)) for grads in steps]
+
+
+def shaped_grads(world, seed):
+    """Each tensor at a scale of its own (the 1-D ones much smaller, as biases' often are)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.cat([torch.randn(math.prod(s), generator=g) * (1e-3 if e else 1.0 + i)
+                       for i, (s, e) in enumerate(zip(SHAPES, EXACT))]) for _ in range(world)]
+
+
+def exact_mask():
+    return torch.cat([torch.full((math.prod(s),), e) for s, e in zip(SHAPES, EXACT)])
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("codec", ["int8", "int8:block=32", "sign", "sign:block=64"])
+def test_uncompressed_tensors_bitwise_against_fp32_mirror(codec, world):
+    """Two steps: outputs and residuals equal the reference bit for bit; the uncompressed tensors'
+    average is the fp32 sum of fl32(g * fl32(1/W)) in rank order, and their residuals stay zero."""
+    numels = [math.prod(s) for s in SHAPES]
+    g1, g2 = shaped_grads(world, 40), shaped_grads(world, 41)
+    (o1, res1), (o2, res2) = run_with_uncompressed(codec, world, [g1, g2])
+    ref1 = reference(codec, g1, zeros_like_all(g1), numels, mirror=True, exact=EXACT)
+    ref2 = reference(codec, g2, [e.float() for e in ref1["res"]], numels, mirror=True, exact=EXACT)
+    mask = exact_mask()
+    p = torch.tensor(1.0 / world, dtype=torch.float32)
+    for step, (o, res, ref, gs) in enumerate([(o1, res1, ref1, g1), (o2, res2, ref2, g2)], 1):
+        assert torch.equal(o, ref["out"]), f"{codec} W={world} step {step}: output"
+        for r in range(world):
+            assert torch.equal(res[r], ref["res"][r]), f"{codec} W={world} step {step}: rank {r}"
+            assert (res[r][mask] == 0).all() and (res[r][~mask] != 0).any()
+        exact_sum = torch.zeros(mask.sum().item(), dtype=torch.float32)
+        for g in gs:
+            exact_sum = exact_sum + g[mask] * p
+        assert torch.equal(o[mask], exact_sum.to(F64)), f"{codec} W={world} step {step}"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("codec", ["int8", "sign"])
+def test_uncompressed_tensors_leave_the_compressed_ones_alone(codec, world):
+    """Against the reference without the option: only the flagged tensors and the compressed
+    pieces that shared a message with them (merged below 64 elements) change."""
+    numels = [math.prod(s) for s in SHAPES]
+    gs = shaped_grads(world, 42)
+    [(out, _)] = run_with_uncompressed(codec, world, [gs])
+    with_flags = reference(codec, gs, zeros_like_all(gs), numels, mirror=True, exact=EXACT)
+    without = reference(codec, gs, zeros_like_all(gs), numels, mirror=True)
+    assert torch.equal(out, with_flags["out"])
+    # a compressed piece's message is the same whenever its range is the same in both layouts
+    starts = shard_starts(sum(numels), world)
+    for j in range(world):
+        plain = {(a, b) for a, b, _ in pieces(starts[j], starts[j + 1], numels)}
+        for a, b, ex in pieces(starts[j], starts[j + 1], numels, EXACT):
+            if not ex and (a, b) in plain:
+                assert torch.equal(out[a:b], without["out"][a:b]), (j, a, b)

@@ -3,6 +3,7 @@ lossless codec, error bounds and error-feedback behaviour for the lossy ones, tr
 warm-up/small buckets, the non-finite guard and state_dict round trips."""
 
 import functools
+import math
 import pickle
 
 import pytest
@@ -267,3 +268,68 @@ def test_zero_size_tensors_carry_nothing():
         a = with_zeros.reduce(gs, numels=[0, 200, 0, 300, 0])
         assert torch.equal(a, without.reduce(gs, numels=[200, 300]))
     assert torch.equal(with_zeros.residuals()[0], without.residuals()[0])
+
+
+# ---- tensors sent uncompressed (uncompressed_numel) ---------------------------------------------
+# A 35-element weight beside a bias (too small to be a message of its own among compressed
+# neighbours, but it cannot merge with an fp32 one), two weights of 150 and 80, a 12-element weight
+# that merges into the one before it (< 64), another bias. With uncompressed_numel 10: the biases
+# travel in fp32.
+SHAPES = [(5, 7), (40,), (3, 50), (2, 40), (3, 4), (4,)]
+
+
+def padded(message):
+    return torch.cat([message, torch.zeros(wire.message_slot_bytes(message.numel()) - message.numel(),
+                                           dtype=torch.uint8)])
+
+
+@pytest.mark.parametrize("spec", ["int8:block=32", "sign:block=64"])
+def test_uncompressed_tensors_are_fp32_messages_of_their_own(spec):
+    """One rank's send buffer (W = 1: one shard, prescale 1): every compressed piece encoded alone
+    as a bucket of only that piece would be, its blocks restarting at its start; the biases as fp32
+    messages; one 16-byte aligned slot each."""
+    numels = [math.prod(s) for s in SHAPES]
+    x = torch.randn(sum(numels), generator=torch.Generator().manual_seed(3))
+    exact = [False, True, False, False, False, True]
+    red = torch.classes.gradzip.BucketReduction(spec, 1, 0, numels, x, "wire", exact)
+    red.encode(x, None)
+    a, b, c, d, e, f = x.split(numels)
+    want = [gradzip.encode(a, spec), gradzip.encode(b, "fp32"), gradzip.encode(c, spec),
+            gradzip.encode(torch.cat([d, e]), spec), gradzip.encode(f, "fp32")]
+    assert torch.equal(red.send(), torch.cat([padded(m) for m in want]))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_stats_count_the_uncompressed_tensors(world):
+    """The bytes stats report are the buffers the exchange moves: rank 0's all-to-all send buffer
+    less its own shard, and W - 1 all-gather slots; the fp32 tensors cost more than int8."""
+    numels = [math.prod(s) for s in SHAPES]
+    gs = grads(world, sum(numels))
+    sent = {}
+    for u in (0, 10):
+        sim = SimulatedWorkers("int8", world, uncompressed_numel=u)
+        sim.reduce(gs, shapes=SHAPES)
+        [rank0, *_] = next(iter(sim._reductions.values()))
+        splits = rank0.send_splits()
+        slot = rank0.gather_in().numel()
+        assert sim.stats["bytes_sent"] == sum(splits) - splits[0] + (world - 1) * slot
+        assert sim.stats["bytes_received"] == (world - 1) * (splits[0] + slot)
+        sent[u] = sim.stats["bytes_sent"]
+    assert sent[10] > sent[0]
+
+
+def test_uncompressed_numel_is_off_by_default_and_ignored_elsewhere():
+    """0 sends everything compressed; tensors given by numels count as 1-D; other codecs are not
+    affected (fp32 and the casts carry every element already, top-k selects over the bucket)."""
+    world, numels = 2, [math.prod(s) for s in SHAPES]
+    gs = grads(world, sum(numels))
+    plain = SimulatedWorkers("int8", world).reduce(gs, shapes=SHAPES)
+    assert torch.equal(plain, SimulatedWorkers("int8", world).reduce(gs, numels=numels))
+    as_1d = SimulatedWorkers("int8", world, uncompressed_numel=1).reduce(gs, numels=numels)
+    assert torch.equal(as_1d, SimulatedWorkers("fp32", world).reduce(gs))
+    for spec in ("fp16", "topk:0.1"):
+        assert torch.equal(SimulatedWorkers(spec, world).reduce(gs, shapes=SHAPES),
+                           SimulatedWorkers(spec, world, uncompressed_numel=10)
+                           .reduce(gs, shapes=SHAPES))
+    with pytest.raises(ValueError, match="uncompressed_numel"):
+        SimulatedWorkers("int8", world, uncompressed_numel=-1)

@@ -136,6 +136,22 @@ void check_int8_and_sign(const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
              max_abs(residual) > 0,
          "int8 residual is the rounding error of what was sent");
 
+  // A C++ caller flags tensors that travel uncompressed: the last 100 elements, a tensor of their
+  // own, are the fp32 sum of g * 0.5 in rank order, their residual zero.
+  {
+    CompressedAllreduce reducer(group, "int8");
+    at::Tensor grad = to_tensor(mine), res = at::zeros({kN});
+    reducer.reduce(0, grad, grad, {kN - 100, 100}, res, {}, true, {false, true})->wait();
+    const Values o = values(grad), r = values(res);
+    bool exact = true, zero = true;
+    for (int64_t i = kN - 100; i < kN; ++i) {
+      exact = exact && o[i] == static_cast<double>(static_cast<float>(g0[i]) * 0.5f +
+                                                    static_cast<float>(g1[i]) * 0.5f);
+      zero = zero && r[i] == 0;
+    }
+    expect(exact && zero, "an uncompressed tensor is the exact fp32 average, its residual zero");
+  }
+
   // sign with error feedback over 2 steps: the average points the way of the mean gradient.
   CompressedAllreduce reducer(group, "sign");
   at::Tensor res = at::zeros({kN});

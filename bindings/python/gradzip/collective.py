@@ -74,10 +74,11 @@ def shard_bounds(n: int, world: int) -> Tuple[int, ...]:
 
 @lru_cache(maxsize=4096)
 def traffic(plan: Optional[CodecPlan], numels: Tuple[int, ...], world: int, rank: int,
-            rows: Optional[Tuple[int, ...]] = None):
+            rows: Optional[Tuple[int, ...]] = None, exact: Tuple[bool, ...] = ()):
     """Bytes (sent, received) by one rank for one bucket holding tensors of ``numels`` elements
-    (``rows``: their first dimensions, for lowrank); plan None = fp32 all-reduce (counted as a ring
-    all-reduce: 2 (W-1)/W of the buffer each way)."""
+    (``rows``: their first dimensions, for lowrank), those flagged in ``exact`` sent in fp32 (see
+    layout_exact); plan None = fp32 all-reduce (counted as a ring all-reduce: 2 (W-1)/W of the
+    buffer each way)."""
     if world == 1:
         return 0, 0
     if plan is None:
@@ -87,7 +88,8 @@ def traffic(plan: Optional[CodecPlan], numels: Tuple[int, ...], world: int, rank
         p, q = _ops.lowrank_sizes(plan.lowrank_rank, list(numels), list(rows or numels))
         b = _ops.fp32_traffic(p, world) + _ops.fp32_traffic(q, world)
         return b, b
-    sent, received = _ops.bucket_traffic(plan.spec, world, rank, list(numels), plan.cast_sum)
+    sent, received = _ops.bucket_traffic(plan.spec, world, rank, list(numels), plan.cast_sum,
+                                         list(exact))
     return sent, received
 
 
@@ -106,12 +108,12 @@ class TrafficStats:
         return {"bytes_sent": 0, "bytes_received": 0, "raw_bytes": 0, "buckets": 0,
                 "compressed_buckets": 0}
 
-    def add(self, plan, numels, world, rank, rows=None):
-        """One all-reduced bucket, carried by ``plan`` (None: the fp32 all-reduce; ``rows``: see
-        traffic)."""
+    def add(self, plan, numels, world, rank, rows=None, exact=()):
+        """One all-reduced bucket, carried by ``plan`` (None: the fp32 all-reduce; ``rows``,
+        ``exact``: see traffic)."""
         numels = tuple(numels)
         rows = None if rows is None else tuple(rows)
-        sent, received = traffic(plan, numels, world, rank, rows)
+        sent, received = traffic(plan, numels, world, rank, rows, tuple(exact))
         self.add_bytes(sent, received, traffic(None, numels, world, rank)[0], plan is not None)
 
     def add_bytes(self, sent: int, received: int, raw: int, compressed: bool):
@@ -133,15 +135,29 @@ class TrafficStats:
 Layout = Tuple[int, Tuple[Tuple[object, Tuple[int, ...]], ...]]  # (n, ((key, shape), ...))
 
 
-def layout_numels(layout: Layout) -> List[int]:
-    """Element counts of a bucket's tensors as the reduction sees them, in buffer order (one tensor
-    if the shapes are unknown). Zero-size tensors are left out: they carry nothing, and a piece
-    boundary there would change nothing but the C++ layout's rule that pieces hold elements."""
+def _layout_shapes(layout: Layout) -> Optional[List[Tuple[int, ...]]]:
+    """The shapes of a bucket's tensors as the reduction sees them, in buffer order, or None if
+    they are unknown. Zero-size tensors are left out: they carry nothing, and a piece boundary
+    there would change nothing but the C++ layout's rule that pieces hold elements."""
     n, params = layout
-    numels = [math.prod(shape) for _, shape in params]
-    if not numels or sum(numels) != n:
-        return [n]
-    return [m for m in numels if m > 0] or [n]
+    shapes = [tuple(shape) for _, shape in params if math.prod(shape) > 0]
+    return shapes if shapes and sum(math.prod(s) for s in shapes) == n else None
+
+
+def layout_numels(layout: Layout) -> List[int]:
+    """Element counts of a bucket's tensors as the reduction sees them (one tensor if the shapes
+    are unknown)."""
+    shapes = _layout_shapes(layout)
+    return [layout[0]] if shapes is None else [math.prod(s) for s in shapes]
+
+
+def layout_exact(layout: Layout, uncompressed_numel: int) -> List[bool]:
+    """Per tensor of layout_numels, whether it travels uncompressed (wire.travels_uncompressed;
+    never where the shapes are unknown)."""
+    shapes = _layout_shapes(layout)
+    if shapes is None:
+        return [False]
+    return [wire.travels_uncompressed(s, uncompressed_numel) for s in shapes]
 
 
 def layout_rows(layout: Layout) -> List[int]:

@@ -48,6 +48,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--latency-us", type=float, default=20.0, help="alpha per message (us)")
     ap.add_argument("--efficiency", type=float, default=0.95, help="goodput / line rate")
     ap.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb")
+    ap.add_argument("--uncompressed-numel", type=int, default=0, metavar="N",
+                    help="int8/sign send 1-D tensors and those under N elements in fp32 (as "
+                         "CompressionState(uncompressed_numel=N)); 0: none")
     ap.add_argument("--mem-gbps", type=float, default=3800.0,
                     help="memory bandwidth the codec passes run at, GB/s (default: ~80%% of an "
                          "H200's HBM); ignored with --measure")
@@ -83,6 +86,8 @@ def main(argv=None) -> int:
     n = sum(cm.numel(s) for s in shapes)
     codecs = ["none"] + [c for c in args.codecs if c != "none"]
     sp = cm.codec_speeds(codecs, args.measure, args.mem_gbps)
+    parsed = {c: cm.Codec.parse(c, uncompressed_numel=args.uncompressed_numel)
+              for c in codecs + ["torch-bf16"]}
     speed_note = "measured here via gradzip ops" if args.measure else \
         f"memory-bound at {args.mem_gbps:g} GB/s"
     print(f"# gradzip cost model: {label}, {n / 1e6:.1f}M parameters in {len(buckets)} buckets; "
@@ -95,7 +100,8 @@ def main(argv=None) -> int:
     for p in args.workers:
         for g in args.gbps:
             link = cm.Link(g, args.latency_us * 1e-6, args.efficiency)
-            cells = [f"{cm.step_cost(c, buckets, p, link, sp[c]).seconds * 1e3:.1f}" for c in codecs]
+            cells = [f"{cm.step_cost(parsed[c], buckets, p, link, sp[c]).seconds * 1e3:.1f}"
+                     for c in codecs]
             print(f"| {p} | {g:g} | " + " | ".join(cells) + " |")
     link = cm.Link(1.0, args.latency_us * 1e-6, args.efficiency)
     for base in ("none", "torch-bf16"):
@@ -108,7 +114,7 @@ def main(argv=None) -> int:
         print("|---|" + "---:|" * len(args.workers))
         base_speed = sp.get(base) or cm.codec_speeds([base], args.measure, args.mem_gbps)[base]
         for c in others:
-            cells = [str(cm.break_even(c, base, buckets, p, link, sp[c], base_speed))
+            cells = [str(cm.break_even(parsed[c], parsed[base], buckets, p, link, sp[c], base_speed))
                      for p in args.workers]
             print(f"| {c} | " + " | ".join(cells) + " |")
     return 0

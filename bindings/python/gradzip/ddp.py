@@ -31,8 +31,9 @@ import torch.distributed as dist
 
 from . import _ops  # noqa: F401  (loads the extension that defines torch.classes.gradzip)
 from ._groups import reducing_group, require_same_config
-from .collective import (CodecPlan, StateStore, TrafficStats, layout_numels, layout_rows,
-                         param_offsets, run_simulated, run_simulated_lowrank, shard_bounds)
+from .collective import (CodecPlan, StateStore, TrafficStats, layout_exact, layout_numels,
+                         layout_rows, param_offsets, run_simulated, run_simulated_lowrank,
+                         shard_bounds)
 from .wire import MIN_COMPRESS_NUMEL
 
 __all__ = ["CompressionState", "compress_hook", "SimulatedWorkers"]
@@ -50,7 +51,7 @@ class _Config:
 
     def __init__(self, codec: str, error_feedback: bool, warmup_steps: int, min_compress_numel: int,
                  guard_nonfinite: bool, optimizer=None, cast_sum: Optional[str] = None,
-                 warmup_codec: Optional[str] = None):
+                 warmup_codec: Optional[str] = None, uncompressed_numel: int = 0):
         self.direction = None
         if optimizer is not None:
             direction = getattr(optimizer, "direction", None)
@@ -59,8 +60,9 @@ class _Config:
                                 f"(FrozenVarianceAdamW, CompressedSGD), got "
                                 f"{type(optimizer).__name__}")
             self.direction = direction
-        if warmup_steps < 0 or min_compress_numel < 0:
-            raise ValueError("gradzip: warmup_steps and min_compress_numel must be >= 0")
+        if warmup_steps < 0 or min_compress_numel < 0 or uncompressed_numel < 0:
+            raise ValueError("gradzip: warmup_steps, min_compress_numel and uncompressed_numel "
+                             "must be >= 0")
         if self.direction is not None and self.direction.needs_warmup and warmup_steps < 1:
             raise ValueError(f"gradzip: {type(optimizer).__name__} measures the variance on the "
                              "uncompressed warm-up steps before it freezes it: warmup_steps must "
@@ -89,6 +91,7 @@ class _Config:
             raise ValueError("gradzip: warmup_codec must encode the gradient itself (fp16, bf16, "
                              f"int8, ...), not {self.warmup_plan.spec}")
         self.min_compress_numel = int(min_compress_numel)
+        self.uncompressed_numel = int(uncompressed_numel)
         self.guard_nonfinite = bool(guard_nonfinite)
 
     @property
@@ -101,6 +104,7 @@ class _Config:
                 f"warmup_steps={self.warmup_steps} warmup_codec="
                 f"{'fp32' if self.warmup_plan is None else self.warmup_plan.spec} "
                 f"min_compress_numel={self.min_compress_numel} "
+                f"uncompressed_numel={self.uncompressed_numel} "
                 f"guard_nonfinite={int(self.guard_nonfinite)} world={world} direction="
                 f"{'none' if self.direction is None else self.direction.describe()}")
 
@@ -122,6 +126,10 @@ class _Config:
         if self.warmup_plan is not None and world > 1 and self._big_enough(n, world):
             return self.warmup_plan
         return None
+
+    def exact(self, layout) -> List[bool]:
+        """Per tensor of the bucket (collective.layout_numels), whether it travels in fp32."""
+        return layout_exact(layout, self.uncompressed_numel)
 
     @property
     def wants_owner_residual(self) -> bool:
@@ -251,6 +259,10 @@ class CompressionState(_ReducerState):
             for bit. None (default): ``"wire"``, or ``"fp32"`` with ``optimizer`` and error
             feedback, whose owner residual needs the fp32 sum (``"wire"`` there is a ValueError).
             Other codecs are not affected.
+        uncompressed_numel: inside compressed int8/sign buckets, the 1-D tensors (biases, norms)
+            and those of fewer elements travel uncompressed, in fp32, in the same exchange: their
+            average is the exact fp32 sum (in rank order) and they keep no residual. 0 (default):
+            every tensor is compressed. Other codecs are not affected.
 
     The first hook call checks, with one small all-gather, that every rank uses the same
     configuration, and raises ``ValueError`` on all ranks naming the difference (instead of hanging
@@ -278,9 +290,10 @@ class CompressionState(_ReducerState):
     def __init__(self, codec: str, process_group=None, error_feedback: bool = True,
                  warmup_steps: int = 0, min_compress_numel: int = MIN_COMPRESS_NUMEL,
                  guard_nonfinite: bool = True, optimizer=None, cast_sum: Optional[str] = None,
-                 warmup_codec: Optional[str] = None):
+                 warmup_codec: Optional[str] = None, uncompressed_numel: int = 0):
         super().__init__(_Config(codec, error_feedback, warmup_steps, min_compress_numel,
-                                 guard_nonfinite, optimizer, cast_sum, warmup_codec))
+                                 guard_nonfinite, optimizer, cast_sum, warmup_codec,
+                                 uncompressed_numel))
         self.process_group = process_group
         self._ef = StateStore()
         self._keys = _ParameterKeys()
@@ -374,10 +387,11 @@ class CompressionState(_ReducerState):
 
     def _reduce(self, index, bucket_view, x, layout, st):
         """Enqueues one reduction of ``x`` (the bucket's float32 values) in C++; returns its Future."""
-        cfg, numels, rows, n = self.config, layout_numels(layout), layout_rows(layout), layout[0]
+        cfg, numels, n = self.config, layout_numels(layout), layout[0]
+        rows, exact = layout_rows(layout), cfg.exact(layout)
         compressed = cfg.compresses(self.step, n, self._world)
         plan = cfg.transport(self.step, n, self._world)
-        self._stats.add(plan, numels, self._world, self._rank, rows)
+        self._stats.add(plan, numels, self._world, self._rank, rows, exact)
         if self._guard is not None:
             self._guard.save(_saved(st))  # before any update: an overflow step undoes all
         if cfg.plan.lowrank_rank and compressed:
@@ -387,7 +401,7 @@ class CompressionState(_ReducerState):
         # Residuals belong to the codec's steps only: a warm-up codec sends without feedback.
         residuals = (st.residual, st.owner_residual) if st is not None and compressed else (None,) * 2
         fut = self._runtime_of_step().reduce(index, bucket_view, x, numels, *residuals,
-                                             plan is not None)
+                                             plan is not None, exact)
         if cfg.direction is None:
             return fut
 
@@ -524,17 +538,17 @@ class SimulatedWorkers:
     def __init__(self, codec: str, world_size: int, error_feedback: bool = True,
                  warmup_steps: int = 0, min_compress_numel: int = MIN_COMPRESS_NUMEL,
                  guard_nonfinite: bool = True, optimizer=None, cast_sum: Optional[str] = None,
-                 warmup_codec: Optional[str] = None):
+                 warmup_codec: Optional[str] = None, uncompressed_numel: int = 0):
         if int(world_size) < 1:
             raise ValueError(f"gradzip: world_size must be >= 1, got {world_size}")
         self.config = _Config(codec, error_feedback, warmup_steps, min_compress_numel, guard_nonfinite,
-                              optimizer, cast_sum, warmup_codec)
+                              optimizer, cast_sum, warmup_codec, uncompressed_numel)
         self.world_size = int(world_size)
         self.step = 0
         self._ef = [StateStore() for _ in range(self.world_size)]
         self._stats = TrafficStats()
         self._guards = [self.config.new_guard() for _ in range(self.world_size)]
-        self._reductions = {}  # (bucket_index, numels, device) -> one BucketReduction per rank
+        self._reductions = {}  # (bucket_index, numels, exact, device) -> a BucketReduction per rank
         if optimizer is not None:
             optimizer.attached = True
 
@@ -557,10 +571,10 @@ class SimulatedWorkers:
                shapes: Optional[list] = None) -> torch.Tensor:
         """``numels``: the element counts of the tensors the bucket holds, in order (as DDP's
         ``bucket.parameters()``); block-scaled codecs restart their blocks at each boundary.
-        ``shapes``: instead of ``numels``, the tensors' shapes (lowrank views each as a matrix of
-        ``shape[0]`` rows; with numels every tensor is 1-D).
-        ``keys``: one hashable per tensor naming its parameter, for buckets whose parameters move
-        (the state follows the parameter, as in the hook); default ``(bucket_index, i)``."""
+        ``shapes``: their shapes instead (lowrank views each as a matrix of ``shape[0]`` rows;
+        ``uncompressed_numel`` needs them; tensors given by ``numels`` count as 1-D). ``keys``: one
+        hashable per tensor naming its parameter, for buckets whose parameters move (the state
+        follows the parameter, as in the hook); default ``(bucket_index, i)``."""
         world = self.world_size
         if len(grads) != world:
             raise ValueError(f"gradzip: expected {world} gradients, got {len(grads)}")
@@ -571,22 +585,24 @@ class SimulatedWorkers:
         n = flats[0].numel()
         if any(f.numel() != n or f.device != flats[0].device for f in flats):
             raise ValueError("gradzip: all gradients must have the same numel and device")
-        if shapes is not None:
+        if shapes is None:
+            shapes = [(n,)] if numels is None else [(int(m),) for m in numels]
+        elif numels is None:
             shapes = [tuple(int(d) for d in s) for s in shapes]
-            numels = [math.prod(s) for s in shapes]
-        numels = [n] if numels is None else [int(m) for m in numels]
-        if sum(numels) != n or any(m < 0 for m in numels):
-            raise ValueError(f"gradzip: numels {numels} do not partition the {n} elements")
-        keys = [(bucket_index, i) for i in range(len(numels))] if keys is None else list(keys)
-        if len(keys) != len(numels) or len(set(keys)) != len(keys):
-            raise ValueError(f"gradzip: keys must name each of the {len(numels)} tensors once")
-        shapes = [(m,) for m in numels] if shapes is None else shapes
+        else:
+            raise ValueError("gradzip: give numels or shapes, not both")
+        if sum(math.prod(s) for s in shapes) != n or any(d < 0 for s in shapes for d in s):
+            raise ValueError(f"gradzip: tensors of shapes {shapes} do not partition the {n} "
+                             "elements")
+        keys = [(bucket_index, i) for i in range(len(shapes))] if keys is None else list(keys)
+        if len(keys) != len(shapes) or len(set(keys)) != len(keys):
+            raise ValueError(f"gradzip: keys must name each of the {len(shapes)} tensors once")
         layout = (n, tuple(zip(keys, shapes)))
-        numels = layout_numels(layout)  # as the hook: zero-size tensors carry nothing
+        numels, exact = layout_numels(layout), cfg.exact(layout)  # as the hook
         rows = layout_rows(layout)
         compressed = cfg.compresses(self.step, n, world)
         plan = cfg.transport(self.step, n, world)
-        self._stats.add(plan, numels, world, 0, rows)
+        self._stats.add(plan, numels, world, 0, rows, exact)
         states = [cfg.bucket_state(self._ef[r], bucket_index, layout, world, r, flats[r].device)
                   for r in range(world)]
         for r in range(world):
@@ -606,8 +622,8 @@ class SimulatedWorkers:
                                   outs, states)
         else:
             outs = [torch.empty_like(f) for f in flats]
-            run_simulated(self._bucket_reductions(plan, bucket_index, numels, flats[0]), flats,
-                          states if compressed else [None] * world, outs)
+            run_simulated(self._bucket_reductions(plan, bucket_index, numels, exact, flats[0]),
+                          flats, states if compressed else [None] * world, outs)
         for o, st in zip(outs, states):
             cfg.finish_direction(o, st, compressed)
         for g, o in zip(self._guards, outs):
@@ -621,12 +637,12 @@ class SimulatedWorkers:
             self.step += 1
         return outs[0]
 
-    def _bucket_reductions(self, plan, index, numels, like):
-        key = (plan, index, tuple(numels), like.device)
+    def _bucket_reductions(self, plan, index, numels, exact, like):
+        key = (plan, index, tuple(numels), tuple(exact), like.device)
         if key not in self._reductions:
             self._reductions[key] = [
                 torch.classes.gradzip.BucketReduction(plan.spec, self.world_size, r, list(numels),
-                                                      like, plan.cast_sum)
+                                                      like, plan.cast_sum, list(exact))
                 for r in range(self.world_size)]
         return self._reductions[key]
 

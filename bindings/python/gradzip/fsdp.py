@@ -39,7 +39,7 @@ from ._groups import reducing_group, require_same_config
 from .collective import _tuplify
 from .ddp import _Config, _ReducerState
 from .param_gather import CompressedAllGather, param_codec as _param_codec
-from .wire import MIN_COMPRESS_NUMEL
+from .wire import MIN_COMPRESS_NUMEL, travels_uncompressed
 
 __all__ = ["compress", "FSDPCompressionState", "CompressedReduceScatter"]
 
@@ -84,6 +84,11 @@ class _GroupLayout:
     def numels(self) -> List[int]:
         """The pieces of the input, in order (block-scaled codecs restart their blocks at each)."""
         return [c for _ in range(self.world) for c in self.chunks if c]
+
+    def exact(self, uncompressed_numel: int) -> List[bool]:
+        """Per piece of ``numels``, whether its parameter travels in fp32."""
+        flags = [travels_uncompressed(p.size, uncompressed_numel) for p in self.params]
+        return [f for _ in range(self.world) for f, c in zip(flags, self.chunks) if c]
 
     def padding(self) -> torch.Tensor:
         """Indices of the input's padding elements (FSDP's zero rows past a parameter's dim 0)."""
@@ -144,11 +149,12 @@ class FSDPCompressionState(_ReducerState):
 
     def __init__(self, codec: str, error_feedback: bool = True, warmup_steps: int = 0,
                  min_compress_numel: int = MIN_COMPRESS_NUMEL, guard_nonfinite: bool = True,
-                 param_codec: Optional[str] = None):
+                 param_codec: Optional[str] = None, uncompressed_numel: int = 0):
         # the settings, their checks and the warm-up / small-group policy are the DDP hook's; the
         # reduce-scatter sums every codec in fp32
         super().__init__(_Config(codec, error_feedback, warmup_steps, min_compress_numel,
-                                 guard_nonfinite, cast_sum="fp32"))
+                                 guard_nonfinite, cast_sum="fp32",
+                                 uncompressed_numel=uncompressed_numel))
         if self.config.plan.lowrank_rank:
             raise ValueError(f"gradzip.fsdp: {self.config.plan.spec} is not available for FSDP's "
                              "reduce-scatter yet (it is a DDP comm hook codec)")
@@ -281,9 +287,10 @@ class FSDPCompressionState(_ReducerState):
         compressed = self.config.compresses(self.step, input.numel(), world)
         item = input.element_size()
         raw = (world - 1) * st.layout.shard * item
+        exact = st.layout.exact(self.config.uncompressed_numel)
         if compressed:
             sent, received = _ops.reduce_scatter_traffic(self.config.codec, world, rank,
-                                                         st.layout.numels)
+                                                         st.layout.numels, exact)
         else:
             sent = received = raw
         self._stats.add_bytes(sent, received, raw, compressed)
@@ -299,7 +306,8 @@ class FSDPCompressionState(_ReducerState):
                 self._guard.save([st.residual])  # before the update: an overflow step undoes it
             st.residual.index_fill_(0, st.padding, 0.0)  # padding is zero, as FSDP pads it
         fut = self._runtime.reduce_scatter(index, output.view(-1), x, st.layout.numels,
-                                           st.residual, self._prescale(op, world, divide_factor))
+                                           st.residual, self._prescale(op, world, divide_factor),
+                                           exact)
         if async_op:
             return torch._C._distributed_c10d._create_work_from_future(fut)
         fut.wait()
@@ -308,8 +316,8 @@ class FSDPCompressionState(_ReducerState):
 
 def compress(root: torch.nn.Module, codec: str, error_feedback: bool = True,
              warmup_steps: int = 0, min_compress_numel: int = MIN_COMPRESS_NUMEL,
-             guard_nonfinite: bool = True,
-             param_codec: Optional[str] = None) -> FSDPCompressionState:
+             guard_nonfinite: bool = True, param_codec: Optional[str] = None,
+             uncompressed_numel: int = 0) -> FSDPCompressionState:
     """Installs a compressed reduce-scatter on every FSDP module under ``root`` (already wrapped
     with ``fully_shard``, ``root`` included) and returns their shared state.
 
@@ -326,9 +334,11 @@ def compress(root: torch.nn.Module, codec: str, error_feedback: bool = True,
             send each rank's fp32 shard in this codec (gradzip.param_gather: no error feedback,
             every rank decodes the same parameters, the sharded ones stay exact; shards FSDP
             gathers in 16 bits already are sent as they are). None: FSDP's own all-gather.
+        uncompressed_numel: with int8/sign, the gradients of 1-D parameters and of those with
+            fewer elements travel in fp32 (exact sum, no residual), as the DDP hook's option.
     """
     state = FSDPCompressionState(codec, error_feedback, warmup_steps, min_compress_numel,
-                                 guard_nonfinite, param_codec)
+                                 guard_nonfinite, param_codec, uncompressed_numel)
     names = {id(p): n for n, p in root.named_parameters(remove_duplicate=False)}
     modules = [m for m in root.modules() if isinstance(m, FSDPModule)]
     if not modules:

@@ -24,6 +24,10 @@ KINDS = ("fp32", "fp16", "bf16", "int8", "sign", "topk")
 # and the cost model take it from here.
 MIN_COMPRESS_NUMEL = 4096
 
+# Codecs that cut a bucket at its tensors' boundaries (bindings/torch/bucket_reduction.hpp): only
+# they send some tensors uncompressed (``uncompressed_numel``).
+PIECEWISE_KINDS = ("int8", "sign")
+
 CAST_SUMS = ("wire", "fp32")  # CompressionState(cast_sum=...): where fp16/bf16 buckets are summed
 
 
@@ -88,3 +92,11 @@ def message_slot_bytes(nbytes: int) -> int:
     """Bytes a message of nbytes takes in a buffer of messages (the all-reduce's shards and
     all-gather slots): each one starts on a 16-byte boundary."""
     return align16(nbytes)
+
+
+def travels_uncompressed(shape, uncompressed_numel: int) -> bool:
+    """Whether a tensor of this shape travels in fp32 inside a compressed bucket: with
+    ``uncompressed_numel`` > 0 (0: never), the 1-D ones (biases, norms) and those of fewer
+    elements. Their gradients' scales and statistics differ from the weights', and on few elements
+    a block's header and error cost more than the fp32 bytes."""
+    return uncompressed_numel > 0 and (len(shape) <= 1 or math.prod(shape) < uncompressed_numel)

@@ -54,6 +54,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--param-codec", help="--strategy fsdp: FSDP's parameter all-gathers in this "
                                         "codec (bf16, fp16, int8[:block=N]; gradzip.fsdp's "
                                         "param_codec); default: FSDP's own fp32 all-gather")
+    p.add_argument("--uncompressed-numel", type=int, metavar="N",
+                   help="int8/sign runs send 1-D tensors and those under N elements in fp32 "
+                        "(CompressionState's uncompressed_numel; run names get +uN)")
     p.add_argument("--ddp", action="store_const", const="ddp", dest="strategy",
                    help="the same as --strategy ddp")
     p.add_argument("--threads", type=int, default=1,
@@ -66,7 +69,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def overrides(args) -> dict:
     o = {"steps": args.steps, "workers": args.workers, "data": args.data,
          "weights": args.weights, "seed": args.seed, "eval_every": args.eval_every,
-         "param_codec": args.param_codec}
+         "param_codec": args.param_codec, "uncompressed_numel": args.uncompressed_numel}
     return {k: v for k, v in o.items() if v is not None}
 
 

@@ -54,32 +54,33 @@ class Reducer:
     """Averages W flat fp32 gradients bucket by bucket; keeps the last step's traffic.
 
     ``optimizer``: a gradzip.optim optimizer, whose direction is then computed around the
-    collective (the reduce returns what that optimizer's step applies). ``warmup_steps``: the
-    first steps are averaged uncompressed, or in ``warmup_codec`` (and counted as such in the
-    bytes)."""
+    collective (the reduce returns what that optimizer's step applies). ``param_shapes``: the
+    parameters' shapes (instead of ``param_numels``), which lowrank (matrices) and
+    ``uncompressed_numel`` (as CompressionState's) need. ``warmup_steps``: the first steps are
+    averaged uncompressed, or in ``warmup_codec`` (and counted as such in the bytes)."""
 
     def __init__(self, codec: str, workers: int, error_feedback: bool = True,
                  param_numels: list[int] | None = None, bucket_cap_mb: float = 25.0,
                  first_bucket_bytes: int = FIRST_BUCKET_BYTES, warmup_steps: int = 0,
                  optimizer=None, param_shapes: list[tuple] | None = None,
-                 warmup_codec: str | None = None):
+                 warmup_codec: str | None = None, uncompressed_numel: int = 0):
         from gradzip.ddp import SimulatedWorkers  # compiled extension: imported only here
 
         self.codec = canonical_codec(codec)
         self.workers = workers
         self.error_feedback = error_feedback
-        # the shapes, where known, let lowrank see matrices (numels alone are 1-D tensors)
-        self.param_shapes = None if param_shapes is None else [tuple(s) for s in param_shapes]
-        if self.param_shapes is not None:
-            param_numels = [math.prod(s) for s in self.param_shapes]
+        if param_shapes is not None:
+            param_numels = [math.prod(s) for s in param_shapes]
         self.param_numels = param_numels
+        self.param_shapes = param_shapes
         self.cap_bytes = int(bucket_cap_mb * 2**20)
         self.first_bucket_bytes = first_bucket_bytes
         baseline = self.codec == BASELINE
         self._sim = SimulatedWorkers(self.codec, workers, error_feedback=error_feedback and not
                                      baseline, min_compress_numel=_NEVER if baseline else
                                      MIN_COMPRESS_NUMEL, warmup_steps=warmup_steps,
-                                     optimizer=optimizer, warmup_codec=warmup_codec)
+                                     optimizer=optimizer, warmup_codec=warmup_codec,
+                                     uncompressed_numel=uncompressed_numel)
         self.bytes_per_step = 0  # bytes one worker sent in the last step
         self.raw_bytes_per_step = 0  # what an uncompressed fp32 ring all-reduce would send
 
@@ -88,6 +89,7 @@ class Reducer:
             raise ValueError(f"expected {self.workers} gradients, got {len(grads)}")
         n = grads[0].numel()
         numels = self.param_numels or [n]
+        shapes = self.param_shapes or [(m,) for m in numels]
         if sum(numels) != n:
             raise ValueError(f"gradients hold {n} elements, the parameters {sum(numels)}")
         out = torch.empty_like(grads[0])
@@ -97,12 +99,10 @@ class Reducer:
             starts.append(starts[-1] + m)
         for i, (a, b) in enumerate(bounds):
             # the bucket's tensors (buckets are cut at tensor boundaries), for per-tensor blocks
-            inside = [j for j in range(len(numels)) if a <= starts[j] < b]
-            shapes = None if self.param_shapes is None else [self.param_shapes[j] for j in inside]
+            inside = [shapes[j] for j in range(len(numels)) if a <= starts[j] < b]
             # one step = every bucket; the last one ends it (step count, warm-up, the guard)
             out[a:b] = self._sim.reduce([g[a:b] for g in grads], bucket_index=i,
-                                        is_last=i == len(bounds) - 1,
-                                        numels=[numels[j] for j in inside], shapes=shapes)
+                                        is_last=i == len(bounds) - 1, shapes=inside)
         stats = self._sim.stats  # the step's traffic, summed over its buckets
         self.bytes_per_step, self.raw_bytes_per_step = stats["bytes_sent"], stats["raw_bytes"]
         return out

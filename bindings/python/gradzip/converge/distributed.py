@@ -59,7 +59,7 @@ class _DDP:
             cfg.codec, error_feedback=cfg.error_feedback and not baseline,
             min_compress_numel=_NEVER if baseline else MIN_COMPRESS_NUMEL,
             warmup_steps=compress_warmup_steps(cfg), optimizer=hook_optimizer(self.opt),
-            warmup_codec=cfg.warmup_codec)
+            warmup_codec=cfg.warmup_codec, uncompressed_numel=cfg.uncompressed_numel)
         self.forward.register_comm_hook(self.state, compress_hook)
 
 
@@ -84,7 +84,7 @@ class _FSDP:
             self.model, cfg.codec, error_feedback=cfg.error_feedback and not baseline,
             min_compress_numel=_NEVER if baseline else MIN_COMPRESS_NUMEL,
             warmup_steps=cfg.compress_warmup or 0,  # FSDP's optimizer is torch's AdamW
-            param_codec=cfg.param_codec)
+            param_codec=cfg.param_codec, uncompressed_numel=cfg.uncompressed_numel)
 
 
 STRATEGIES = {"ddp": _DDP, "fsdp": _FSDP}

@@ -58,6 +58,7 @@ class RunConfig:
     warmup_codec: str | None = None  # the warm-up's buckets in this codec (e.g. bf16; no error
     # feedback, bytes counted); None: fp32
     param_codec: str | None = None  # FSDP only: its parameter all-gathers in this codec
+    uncompressed_numel: int = 0  # int8/sign: 1-D tensors and those under N elements sent in fp32
     seed: int = 0
     data: str = "procedural"  # or nyu:FILE / kitti:DEPTH,RAW / folder:DIR
     train_scenes: int = 512  # procedural only
@@ -77,6 +78,7 @@ class RunConfig:
             name += f"+{self.optimizer}"
         name += f"+w{self.compress_warmup}" if self.compress_warmup is not None else ""
         name += f":{canonical_codec(self.warmup_codec)}" if self.warmup_codec else ""
+        name += f"+u{self.uncompressed_numel}" if self.uncompressed_numel else ""
         return name + (f"+params={self.param_codec}" if self.param_codec else "")
 
 
@@ -329,9 +331,10 @@ def train_simulated(cfg: RunConfig, out: Path, data: tuple[dict, dict], device: 
     params = [p for p in model.parameters() if p.requires_grad]
     opt, sched = make_optimizer(cfg, model)
     reducer = Reducer(cfg.codec, cfg.workers, cfg.error_feedback,
-                      param_shapes=[tuple(p.shape) for p in params], bucket_cap_mb=cfg.bucket_cap_mb,
-                      warmup_steps=compress_warmup_steps(cfg), optimizer=hook_optimizer(opt),
-                      warmup_codec=cfg.warmup_codec)
+                      param_shapes=[tuple(p.shape) for p in params],
+                      bucket_cap_mb=cfg.bucket_cap_mb, warmup_steps=compress_warmup_steps(cfg),
+                      optimizer=hook_optimizer(opt), warmup_codec=cfg.warmup_codec,
+                      uncompressed_numel=cfg.uncompressed_numel)
     start, wall = 0, 0.0
     if (state := files.load_checkpoint()) is not None:
         model.load_state_dict(state["model"])

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable, Sequence
 
 from gradzip import wire
@@ -50,7 +50,8 @@ class Codec:
     collective: allreduce (PyTorch's hooks) | cast_allreduce | two_phase | allgather | powersgd |
     lowrank.
     cast_sum: gradzip's fp16/bf16 as ``CompressionState(cast_sum=...)`` ("wire": cast_allreduce,
-    one 16-bit all-reduce of the payload; "fp32": two_phase)."""
+    one 16-bit all-reduce of the payload; "fp32": two_phase). uncompressed_numel: as
+    ``CompressionState(uncompressed_numel=...)``, the tensors int8/sign send in fp32."""
 
     kind: str
     collective: str = "two_phase"
@@ -58,10 +59,15 @@ class Codec:
     ratio: float = 0.0
     fp16_values: bool = False
     rank: int = 0  # powersgd, lowrank
+    uncompressed_numel: int = 0
 
     @staticmethod
-    def parse(name: str, cast_sum: str = "wire") -> "Codec":
-        name = name.strip()
+    def parse(name: str, cast_sum: str = "wire", uncompressed_numel: int = 0) -> "Codec":
+        codec = Codec._parse(name.strip(), cast_sum)
+        return replace(codec, uncompressed_numel=uncompressed_numel) if uncompressed_numel else codec
+
+    @staticmethod
+    def _parse(name: str, cast_sum: str) -> "Codec":
         if name in TORCH_HOOKS:
             return Codec(TORCH_HOOKS[name], collective="allreduce")
         head, *opts = name.split(":")
@@ -108,6 +114,12 @@ class Codec:
     def encoded_bytes(self, n: int) -> int:
         """Header + payload bytes of one gradzip message of n elements."""
         return wire.encoded_bytes(self.kind, n, self.block, self.ratio, self.fp16_values)
+
+    def uncompressed_elements(self, shapes: Iterable[Shape]) -> int:
+        """Elements of a bucket of these tensors that travel in fp32 (uncompressed_numel)."""
+        if self.kind not in wire.PIECEWISE_KINDS:
+            return 0
+        return sum(numel(s) for s in shapes if wire.travels_uncompressed(s, self.uncompressed_numel))
 
 
 def _int(s: str, name: str) -> int:
@@ -166,9 +178,12 @@ def alltoall(nbytes_per_peer: float, p: int, link: Link) -> Cost:
     return Cost() if p <= 1 else _steps(p - 1, nbytes_per_peer, link)
 
 
-def two_phase(codec: Codec, n: int, p: int, link: Link) -> Cost:
-    """All-to-all of encoded shards, fp32 sum at the shard owner, re-encode, all-gather."""
-    shard = codec.encoded_bytes(wire.ceil_div(n, p))
+def two_phase(codec: Codec, n: int, p: int, link: Link, exact: int = 0) -> Cost:
+    """All-to-all of encoded shards, fp32 sum at the shard owner, re-encode, all-gather; ``exact``
+    of the n elements in fp32 (their own message in each shard)."""
+    shard = codec.encoded_bytes(wire.ceil_div(n - exact, p)) if n > exact else 0
+    if exact:
+        shard += wire.encoded_bytes("fp32", wire.ceil_div(exact, p))
     return alltoall(shard, p, link) + ring_allgather(shard, p, link)
 
 
@@ -314,7 +329,9 @@ def bucket_cost(codec: Codec, shapes: Sequence[Shape], p: int, link: Link,
     elif c == "cast_allreduce":  # the payload's 16-bit values; the header stays home
         comm = ring_allreduce(2 * n, p, link)
     elif c == "two_phase":
-        comm = two_phase(codec, n, p, link)
+        exact = codec.uncompressed_elements(shapes)
+        comm = two_phase(codec, n, p, link, exact)
+        return comm + Cost(seconds=codec_compute_s(codec, n - exact, p, speed))  # fp32: no codec
     elif c == "allgather":
         comm = ring_allgather(codec.encoded_bytes(n), p, link)
     elif c == "lowrank":  # P with the uncompressed tensors appended, then Q (if any matrix)

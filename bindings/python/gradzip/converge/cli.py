@@ -147,7 +147,14 @@ def run_all(configs: list[RunConfig], out: Path, device: torch.device, args) -> 
     # elsewhere the workers print their progress lines.
     bars = sys.stdout.isatty()
     ctx = multiprocessing.get_context("spawn")
-    pool = ctx.Pool(args.jobs, _setup_worker, (device, args.threads))
+    # The workers start with Ctrl-C ignored (an ignored signal stays ignored across exec, and
+    # Python then installs no KeyboardInterrupt handler): a worker still importing when the
+    # terminal's SIGINT reaches the process group would otherwise print a traceback.
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        pool = ctx.Pool(args.jobs, _setup_worker, (device, args.threads))
+    finally:
+        signal.signal(signal.SIGINT, previous)
     try:
         jobs = [(i, configs[i], out, device, args.quiet or bars) for i in order]
         for i, res in pool.imap_unordered(_pool_job, jobs):

@@ -309,3 +309,23 @@ def test_distributed_modes_under_torchrun(tmp_path, strategy, extra):
     assert float(rows["int8"]["compression_ratio"]) > 3.5
     if extra:  # the parameter codec is part of every run's name
         assert rows["int8"]["run"] == "int8+params=int8", rows["int8"]["run"]
+
+
+def test_optimizer_and_warmup_options_reach_the_runs_that_do_not_set_them():
+    """--optimizer and --compress-warmup set the runs of a codec spec (and the suite's runs without
+    settings of their own); the run names say so."""
+    from gradzip.converge.cli import overrides, parse_args, select
+    from gradzip.converge.suites import get_suite
+
+    args = parse_args(["--suite", "cpu-recipes", "--out", "x", "--optimizer",
+                       "frozen-variance-adamw", "--compress-warmup", "7",
+                       "--codecs", "lowrank:2,fp32,sign+frozen-variance-adamw+w60"])
+    suite = get_suite("cpu-recipes")
+    runs = select(suite.configs(**overrides(args)), args.codecs,
+                  replace(suite.base, **overrides(args)))
+    assert [r.name for r in runs] == ["lowrank:2+frozen-variance-adamw+w7",
+                                      "fp32+frozen-variance-adamw+w7",
+                                      "sign+frozen-variance-adamw+w60"]
+    assert compress_warmup_steps(runs[0]) == 7 and optimizer_name(runs[0]) == "frozen-variance-adamw"
+    with pytest.raises(SystemExit):
+        parse_args(["--out", "x", "--optimizer", "lamb"])

@@ -82,6 +82,23 @@ def test_every_worker_holds_the_same_optimizer_state(codec):
     assert not torch.equal(workers[0][0]["residual"], workers[1][0]["residual"])
 
 
+def test_lowrank_momentum_keeps_one_state():
+    """lowrank:R compresses the candidate momentum as it compresses a gradient (power iteration with
+    error feedback): the moments stay identical on every worker, the residuals are each one's."""
+    world, shapes = 3, [(40, 25), (64,), (30, 100)]
+    sim = make_sim("lowrank:2", world, warmup=2)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(6):
+        out = sim.reduce([torch.randn(4064, generator=g) for _ in range(world)], shapes=shapes)
+        assert torch.isfinite(out).all()
+    assert sim.stats["compression_ratio"] > 3
+    workers = sim.state_dict()["workers"]
+    for w in workers[1:]:
+        for a, b in zip(workers[0][0]["moments"], w[0]["moments"]):
+            assert torch.equal(a, b)
+    assert not torch.equal(workers[0][0]["residual"], workers[1][0]["residual"])
+
+
 def test_resume_from_state_dict_is_exact():
     def run(split):
         sim = make_sim("sign", 2, warmup=2)
@@ -126,12 +143,13 @@ def _train_ranks(rank, world, outdir):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     result = {}
-    for name in ("gradzip", "bf16_warmup", "twin"):
+    for name in ("gradzip", "bf16_warmup", "lowrank", "twin"):
         model = _model()
         ddp = DDP(model, bucket_cap_mb=0.004)
         if name != "twin":
             opt = FrozenVarianceAdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
-            state = CompressionState("sign", warmup_steps=WARMUP, min_compress_numel=32,
+            codec = "lowrank:2" if name == "lowrank" else "sign"
+            state = CompressionState(codec, warmup_steps=WARMUP, min_compress_numel=32,
                                      optimizer=opt,
                                      warmup_codec="bf16" if name == "bf16_warmup" else None)
             ddp.register_comm_hook(state, compress_hook)
@@ -157,18 +175,20 @@ def _train_ranks(rank, world, outdir):
 @pytest.mark.parametrize("world", [2, 3])
 def test_ddp_replicas_and_states_identical_and_warmup_is_adamw(world, tmp_path):
     """With the warm-up in fp32 and in bf16 (warmup_codec: the backend's bf16 sum gives every
-    rank the same average, so the one state stays identical)."""
+    rank the same average, so the one state stays identical), and with lowrank:2 carrying the
+    momentum (two all-reduces of its factors)."""
     run_ranks(_train_ranks, world, str(tmp_path), timeout=240)
     runs = [torch.load(tmp_path / f"fva_{r}.pt", weights_only=False) for r in range(world)]
-    for name in ("gradzip", "bf16_warmup"):
+    for name in ("gradzip", "bf16_warmup", "lowrank"):
         for r in range(1, world):
             for a, b in zip(runs[0][name][-1], runs[r][name][-1]):
                 assert torch.equal(a, b), f"{name}: replica {r} differs"
             for i, bucket in runs[0][f"{name}_state"]["residuals"].items():
                 other = runs[r][f"{name}_state"]["residuals"][i]
                 assert all(torch.equal(a, b) for a, b in zip(bucket["moments"], other["moments"]))
-        # then the momentum is compressed (sign: ~30x fewer bytes than fp32) and training goes on
-        assert runs[0][f"{name}_stats"][-1]["compression_ratio"] > 10
+        # then the momentum is compressed (sign: ~30x fewer bytes than fp32; lowrank:2 of these
+        # small matrices, with the 1-D tensors in fp32: ~4x) and training goes on
+        assert runs[0][f"{name}_stats"][-1]["compression_ratio"] > (3 if name == "lowrank" else 10)
         assert all(torch.isfinite(p).all() for p in runs[0][name][-1])
     # the warm-up steps are AdamW on the averaged gradient: to fp32 rounding of the sums; in bf16,
     # to its rounding of the gradients, except where the average nearly cancels (Adam's first

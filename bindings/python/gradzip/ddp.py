@@ -77,9 +77,6 @@ class _Config:
                              f"residual of the summed {self.plan.kind}, which needs the two-phase "
                              "fp32 sum: cast_sum='wire' sums in the wire dtype inside the backend; "
                              "use cast_sum='fp32' (or leave it unset)")
-        if self.plan.lowrank_rank and self.direction is not None:
-            raise ValueError(f"gradzip: {self.plan.spec} does not compute an optimizer direction "
-                             "(optimizer=): use a codec (int8, sign, ...) or leave optimizer unset")
         self.warmup_steps = int(warmup_steps)
         # The warm-up's transport: the gradient itself (no error feedback: the warm-up is there to
         # see exact averages, and a 16-bit rounding of the average is far below its noise), summed
@@ -394,14 +391,16 @@ class CompressionState(_ReducerState):
         self._stats.add(plan, numels, self._world, self._rank, rows, exact)
         if self._guard is not None:
             self._guard.save(_saved(st))  # before any update: an overflow step undoes all
-        if cfg.plan.lowrank_rank and compressed:
-            return self._runtime_of_step().reduce_lowrank(index, bucket_view, x, numels, rows,
-                                                          st.residual, st.q)
         cfg.apply_direction(x, st, compressed)
-        # Residuals belong to the codec's steps only: a warm-up codec sends without feedback.
-        residuals = (st.residual, st.owner_residual) if st is not None and compressed else (None,) * 2
-        fut = self._runtime_of_step().reduce(index, bucket_view, x, numels, *residuals,
-                                             plan is not None, exact)
+        if cfg.plan.lowrank_rank and compressed:
+            fut = self._runtime_of_step().reduce_lowrank(index, bucket_view, x, numels, rows,
+                                                         st.residual, st.q)
+        else:
+            # Residuals belong to the codec's steps only: a warm-up codec sends without feedback.
+            residuals = ((st.residual, st.owner_residual) if st is not None and compressed
+                         else (None,) * 2)
+            fut = self._runtime_of_step().reduce(index, bucket_view, x, numels, *residuals,
+                                                 plan is not None, exact)
         if cfg.direction is None:
             return fut
 

@@ -23,7 +23,8 @@ import torch
 from .._extras import require
 from .output import Progress, clear_results, summarise, write_suite_json
 from .suites import SUITES, get_suite
-from .training import RunConfig, RunFiles, data_key, load_data, setup_process, train_simulated
+from .training import (OPTIMIZERS, RunConfig, RunFiles, data_key, load_data, setup_process,
+                       train_simulated)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -57,6 +58,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--uncompressed-numel", type=int, metavar="N",
                    help="int8/sign runs send 1-D tensors and those under N elements in fp32 "
                         "(CompressionState's uncompressed_numel; run names get +uN)")
+    p.add_argument("--optimizer", choices=("recipe", *OPTIMIZERS),
+                   help="the optimizer of the runs that do not set their own (default: recipe, "
+                        "gradzip.optim.compresses_direction's choice for each codec under AdamW; "
+                        "run names get +NAME)")
+    p.add_argument("--compress-warmup", type=int, metavar="N",
+                   help="the first N steps averaged uncompressed (bytes counted) in the runs that "
+                        "do not set their own (default: the optimizer's need; run names get +wN)")
     p.add_argument("--ddp", action="store_const", const="ddp", dest="strategy",
                    help="the same as --strategy ddp")
     p.add_argument("--threads", type=int, default=1,
@@ -69,7 +77,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def overrides(args) -> dict:
     o = {"steps": args.steps, "workers": args.workers, "data": args.data,
          "weights": args.weights, "seed": args.seed, "eval_every": args.eval_every,
-         "param_codec": args.param_codec, "uncompressed_numel": args.uncompressed_numel}
+         "param_codec": args.param_codec, "uncompressed_numel": args.uncompressed_numel,
+         "optimizer": args.optimizer, "compress_warmup": args.compress_warmup}
     return {k: v for k, v in o.items() if v is not None}
 
 
@@ -189,6 +198,8 @@ def _main(argv=None) -> int:
         raise SystemExit("--out DIR is required")
     if min(args.threads, args.seeds, args.jobs) < 1:
         raise SystemExit("--threads, --seeds and --jobs must be >= 1")
+    if args.compress_warmup is not None and args.compress_warmup < 0:
+        raise SystemExit("--compress-warmup must be >= 0")
     if args.strategy != "simulated" and args.jobs != 1:
         raise SystemExit(f"--jobs does not apply to --strategy {args.strategy} (torchrun starts "
                          "one process per rank)")

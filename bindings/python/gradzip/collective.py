@@ -320,15 +320,18 @@ class StateStore:
                 st.q[qoff:qoff + qm].copy_(src.q[sqoff:sqoff + qm])
         return st
 
-    def drop_rank_state(self) -> None:
-        """Forgets the residuals (each rank's own, meaningless at another world size) and keeps
-        the moments; every bucket's state is then assembled afresh, parameter by parameter, at its
-        next use, with zero residuals."""
+    def drop_rank_state(self, keep_moments: bool) -> None:
+        """Forgets what is each rank's own, meaningless at another world size: the residuals, and
+        the moments unless ``keep_moments`` (those computed from the average alone); Q factors,
+        the same on every rank, stay. Every bucket's state is then assembled afresh, parameter by
+        parameter, at its next use, with zero residuals."""
         for st in self.buckets.values():
             self._retired.append(st)
         self.buckets = {}
         for st in self._retired:
             st.residual = st.owner_residual = None
+            if not keep_moments:
+                st.moments, st.updates = [], 0
 
     def _drop_claimed(self) -> None:
         live = {k for st in self.buckets.values() for k in st.offsets()}

@@ -361,25 +361,26 @@ class CompressionState(_ReducerState):
         continues from zero residuals: they are per rank (this rank's share of the average, its
         shard of a bucket), and with another number of ranks they have no counterpart. Optimizer
         moments computed from the average (FrozenVarianceAdamW's) are the same on every rank and
-        are kept (a frozen variance dropped past the warm-up would stay zero); per-rank moments
-        (CompressedSGD's velocity) go with the residuals. The step count is kept."""
+        are kept (a frozen variance dropped past the warm-up would stay zero), as are lowrank's Q
+        factors (the warm start, identical on every rank); per-rank moments (CompressedSGD's
+        velocity) go with the residuals. The step count is kept."""
         saved, self._saved_world = self._saved_world, None
         if saved is None or saved == self._world:
             return
         direction = self.config.direction
-        keep = direction is not None and direction.moments_shared
+        shared = direction is not None and direction.moments_shared
         if self._ef.buckets:
-            what = ("its residuals are dropped (they are per rank; the optimizer moments, the "
-                    "same on every rank, are kept)" if keep else
+            kept = [what for what, kept in (("the optimizer moments", shared),
+                                            ("the Q factors", self.config.plan.lowrank_rank))
+                    if kept]
+            what = ("its residuals are dropped (they are per rank; "
+                    f"{' and '.join(kept)}, the same on every rank, are kept)" if kept else
                     "its residuals and optimizer moments are dropped (they are per rank)")
             warnings.warn(f"gradzip: the CompressionState checkpoint was saved with world size "
                           f"{saved}, this process group has {self._world} ranks: {what}; "
                           f"training continues from zero residuals at step {self.step}",
                           stacklevel=3)
-        if keep:
-            self._ef.drop_rank_state()
-        else:
-            self._ef = StateStore()
+        self._ef.drop_rank_state(keep_moments=shared)
         self._resumed_step = None
 
     def _reduce(self, index, bucket_view, x, layout, st):

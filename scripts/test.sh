@@ -19,7 +19,9 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 VENV=$(bash scripts/setup.sh | tail -n1)
 export PATH="$VENV/bin:$PATH"
 jobs=$(nproc)
-build=${GRADZIP_BUILD_DIR:-build/test}
+# cmake --build and ctest, also inside `cmake --workflow`, take their parallelism from these.
+export CMAKE_BUILD_PARALLEL_LEVEL=$jobs CTEST_PARALLEL_LEVEL=$jobs
+build=build/release  # the release preset's binaryDir; the build trees' settings: CMakePresets.json
 t0=$SECONDS
 stage() { echo; echo "== [$((SECONDS - t0)) s] $*"; }
 
@@ -27,9 +29,7 @@ stage "Python: ruff check (rules in pyproject.toml)"
 ruff check .
 
 stage "C++: configure, build, CTest"
-cmake --preset release -B "$build" >/dev/null  # the build trees' settings: CMakePresets.json
-cmake --build "$build" -j "$jobs"
-ctest --test-dir "$build" --output-on-failure -j "$jobs"
+cmake --workflow --preset release
 
 stage "C++: install the package and build a consumer project against it"
 prefix="$PWD/$build/install"
@@ -39,9 +39,10 @@ cmake --build "$build/consumer"
 "$build/consumer/gradzip_consumer"
 
 stage "C++ over c10d: the compressed all-reduce from libtorch, 2 processes on ProcessGroupGloo"
-cmake --preset torch -B "$build-torch" -DPython3_EXECUTABLE="$(command -v python)" >/dev/null
-cmake --build "$build-torch" -j "$jobs" --target gradzip_torch_comm_tests
-ctest --test-dir "$build-torch" -L torch --output-on-failure
+# Not a workflow: configuring takes the venv's interpreter, which differs per machine, as -D.
+cmake --preset torch -DPython3_EXECUTABLE="$(command -v python)" >/dev/null
+cmake --build --preset torch
+ctest --preset torch
 
 stage "C++ under ASan + UBSan"
 bash scripts/sanitize.sh

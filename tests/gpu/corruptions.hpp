@@ -1,6 +1,6 @@
 // Corrupted variants of a valid wire message: every header field, the buffer length, padding,
 // sign tail bits, top-k indices, and random bit flips. Shared by the GPU test (device vs host
-// verdicts) and the host emulation test (the CUDA path's check sequence vs read_header).
+// verdicts) and the host emulation test (parallel vs sequential top-k index checks).
 #pragma once
 
 #include <cstring>

@@ -13,7 +13,8 @@ Scenes are rendered before the first step, as a data loader would have them read
 
 Hooks named ``fsdp-*`` train the model under FSDP2 instead (``fully_shard`` on every encoder block
 and the root): ``fsdp-none`` is FSDP's own fp32 reduce-scatter, ``fsdp-torch-bf16`` FSDP with a
-bf16 reduce dtype (PyTorch's bar), ``fsdp-CODEC`` gradzip.fsdp's compressed reduce-scatter. Their
+bf16 reduce dtype (PyTorch's bar), ``fsdp-CODEC`` gradzip.fsdp's compressed reduce-scatter (``fsdp-CODEC+params=PCODEC``: and
+its compressed parameter all-gather, gradzip.fsdp's ``param_codec``). Their
 rows compare against ``fsdp-none`` and ``fsdp-torch-bf16``; the cost model predicts the DDP rows
 only.
 """
@@ -158,12 +159,19 @@ def train(model, opt, batches) -> tuple[list[float], list[float]]:
 FSDP_PREFIX = "fsdp-"
 
 
+def fsdp_codecs(hook: str) -> tuple[str, str | None]:
+    """(reduce-scatter codec, parameter all-gather codec or None) of an ``fsdp-*`` hook:
+    ``fsdp-CODEC`` or ``fsdp-CODEC+params=PCODEC`` (gradzip.fsdp's ``param_codec``)."""
+    codec, _, params = hook[len(FSDP_PREFIX):].partition("+params=")
+    return codec, params or None
+
+
 def build_fsdp(args, hook: str, guard_nonfinite: bool):
     """The model under FSDP2 for an ``fsdp-*`` hook (see the module's docstring)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     model = build(args)
-    codec = hook[len(FSDP_PREFIX):]
+    codec, param_codec = fsdp_codecs(hook)
     policy = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16) if codec == "torch-bf16" else \
         MixedPrecisionPolicy()
     for block in model.encoder.blocks:
@@ -172,7 +180,8 @@ def build_fsdp(args, hook: str, guard_nonfinite: bool):
     if codec not in ("none", "torch-bf16"):
         import gradzip.fsdp
 
-        gradzip.fsdp.compress(model, codec, guard_nonfinite=guard_nonfinite)
+        gradzip.fsdp.compress(model, codec, guard_nonfinite=guard_nonfinite,
+                              param_codec=param_codec)
     return model
 
 
@@ -394,7 +403,19 @@ def check_hooks(hooks: str) -> int:
         if h == "nocomm":
             continue
         if h.startswith(FSDP_PREFIX):
-            codec = h[len(FSDP_PREFIX):]
+            codec, param_codec = fsdp_codecs(h)
+            if param_codec is not None and codec in ("none", "torch-bf16"):
+                print(f"netem: hook {h!r}: +params= needs a gradzip codec for the reduce-scatter "
+                      "(fsdp-CODEC+params=PCODEC)", file=sys.stderr)
+                return 2
+            if param_codec is not None:
+                from gradzip.param_gather import param_codec as check_param_codec
+
+                try:
+                    check_param_codec(param_codec)
+                except ValueError as e:
+                    print(f"netem: hook {h!r}: {e}", file=sys.stderr)
+                    return 2
             if codec in ("none", "torch-bf16"):
                 continue
             h = codec

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Real scarce-bandwidth benchmark: 2-rank DDP training over a shaped link between two network
 # namespaces, once per communication hook (hooks named fsdp-none, fsdp-torch-bf16, fsdp-CODEC:
-# FSDP2 training with FSDP's own or gradzip's compressed reduce-scatter, see driver.py).
+# FSDP2 training with FSDP's own or gradzip's compressed reduce-scatter; fsdp-CODEC+params=PCODEC:
+# and gradzip's compressed parameter all-gather; see driver.py).
 #
 #   bench/netem/run.sh --rate 1gbit --out DIR [--delay 1ms] [--model vit-s14] [--size 56]
 #                      [--batch 1] [--steps 8] [--warmup 3] [--threads 1] [--hooks LIST]

@@ -48,7 +48,7 @@ def _our_namespaces(pid: int) -> list[str]:
 @needs_netns
 def test_tiny_run_writes_results_and_cleans_up(tmp_path):
     out = tmp_path / "netem"
-    hooks = ["none", "int8", "topk:0.01", "fsdp-none", "fsdp-int8"]
+    hooks = ["none", "int8", "topk:0.01", "fsdp-none", "fsdp-int8", "fsdp-int8+params=bf16"]
     p = subprocess.Popen(["bash", str(RUN), "--rate", "10gbit", "--out",
                           str(out), "--model", "vit-t14", "--size", "56", "--steps", "2",
                           "--warmup", "2", "--hooks", ",".join(hooks), "--time-limit", "240"],
@@ -70,6 +70,8 @@ def test_tiny_run_writes_results_and_cleans_up(tmp_path):
     # the gradient per step; int8 shrinks only the reduce-scatter (to about a quarter)
     assert float(by["fsdp-none"]["speedup_vs_allreduce"]) == pytest.approx(1.0)
     assert sent["fsdp-int8"] < 0.85 * sent["fsdp-none"]
+    # +params=bf16: the all-gathers, two thirds of fsdp-int8's bytes, in half the bytes
+    assert sent["fsdp-int8+params=bf16"] < 0.8 * sent["fsdp-int8"]
     md = (out / "results.md").read_text()
     assert "predicted comm s" in md and "## Targets" in md
     assert (out / "costmodel.csv").exists()

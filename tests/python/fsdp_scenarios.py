@@ -199,25 +199,29 @@ def resume(rank, world, outdir, codecs, steps=4, at=2):
     _save(outdir, "resume", rank, out)
 
 
-def async_call(rank, world, outdir, codec):
+def async_call(rank, world, outdir, codecs):
     """The installed ReduceScatter called with async_op=True returns a Work whose wait() leaves the
-    decoded shard in the output; equal to the synchronous call of a second, identical state."""
-    results = []
-    for async_op in (True, False):
-        model = make_model()
-        gradzip.fsdp.compress(model, codec, min_compress_numel=0)
-        group = model[0]._get_fsdp_state()._fsdp_param_group
-        comm = group._reduce_scatter_comm
-        shard = sum(p.padded_sharded_param_size.numel() for p in group.fsdp_params)
-        g = torch.Generator().manual_seed(rank)
-        x = torch.randn(world * shard, generator=g)
-        y = torch.full((shard,), float("nan"))
-        work = comm(y, x, dist.group.WORLD, dist.ReduceOp.AVG, async_op=async_op)
-        if async_op:
-            assert work is not None
-            work.wait()
-        results.append(y)
-    _save(outdir, "async", rank, {"async": results[0], "sync": results[1]})
+    decoded shard in the output (padding included: it starts as NaN); equal to the synchronous
+    call of a second, identical state."""
+    out = {}
+    for codec in codecs:
+        results = []
+        for async_op in (True, False):
+            model = make_model()
+            gradzip.fsdp.compress(model, codec, min_compress_numel=0)
+            group = model[0]._get_fsdp_state()._fsdp_param_group
+            comm = group._reduce_scatter_comm
+            shard = sum(p.padded_sharded_param_size.numel() for p in group.fsdp_params)
+            g = torch.Generator().manual_seed(rank)
+            x = torch.randn(world * shard, generator=g)
+            y = torch.full((shard,), float("nan"))
+            work = comm(y, x, dist.group.WORLD, dist.ReduceOp.AVG, async_op=async_op)
+            if async_op:
+                assert work is not None
+                work.wait()
+            results.append(y)
+        out[codec] = {"async": results[0], "sync": results[1]}
+    _save(outdir, "async", rank, out)
 
 
 def mismatched(rank, world, outdir, codecs):

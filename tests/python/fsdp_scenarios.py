@@ -9,8 +9,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
 
 import gradzip.fsdp
+import lowrank_scenarios as lr
 
 # dim 0 of 65 and 7 rows: FSDP pads the last rank's shard for W = 2 and 3
 IN, HIDDEN, OUT = 33, 65, 7
@@ -137,14 +139,17 @@ def nonfinite(rank, world, outdir, codecs):
         log = []
         for step in range(3):
             scale = float("inf") if (step == 1 and rank == 0) else 1.0
-            before = {i: g.residual.clone() for i, g in state._groups.items()}
+            # lowrank's Q factors are state too: restored with the residuals
+            before = {(i, k): t.clone() for i, g in state._groups.items()
+                      for k, t in (("residual", g.residual), ("q", g.q)) if t is not None}
             loss_of(model, step, rank, scale).backward()
             grads = local_grads(model)
             saved = state.state_dict()["groups"]  # commits the step
-            after = {i: d["residual"] for i, d in saved.items()}
+            after = {(i, k): d[k] for i, d in saved.items() for k in ("residual", "q")
+                     if d.get(k) is not None}
             log.append({"grads_finite": all(torch.isfinite(g).all().item() for g in grads),
-                        "residuals_restored": bool(before) and all(
-                            torch.equal(before[i], after[i]) for i in before),
+                        "residuals_restored": bool(before) and before.keys() == after.keys() and all(
+                            torch.equal(before[k], after[k]) for k in before),
                         "residuals_finite": all(torch.isfinite(r).all().item() for r in after.values())})
             for p in model.parameters():
                 p.grad = None
@@ -194,25 +199,29 @@ def resume(rank, world, outdir, codecs, steps=4, at=2):
     _save(outdir, "resume", rank, out)
 
 
-def async_call(rank, world, outdir, codec):
+def async_call(rank, world, outdir, codecs):
     """The installed ReduceScatter called with async_op=True returns a Work whose wait() leaves the
-    decoded shard in the output; equal to the synchronous call of a second, identical state."""
-    results = []
-    for async_op in (True, False):
-        model = make_model()
-        gradzip.fsdp.compress(model, codec, min_compress_numel=0)
-        group = model[0]._get_fsdp_state()._fsdp_param_group
-        comm = group._reduce_scatter_comm
-        shard = sum(p.padded_sharded_param_size.numel() for p in group.fsdp_params)
-        g = torch.Generator().manual_seed(rank)
-        x = torch.randn(world * shard, generator=g)
-        y = torch.full((shard,), float("nan"))
-        work = comm(y, x, dist.group.WORLD, dist.ReduceOp.AVG, async_op=async_op)
-        if async_op:
-            assert work is not None
-            work.wait()
-        results.append(y)
-    _save(outdir, "async", rank, {"async": results[0], "sync": results[1]})
+    decoded shard in the output (padding included: it starts as NaN); equal to the synchronous
+    call of a second, identical state."""
+    out = {}
+    for codec in codecs:
+        results = []
+        for async_op in (True, False):
+            model = make_model()
+            gradzip.fsdp.compress(model, codec, min_compress_numel=0)
+            group = model[0]._get_fsdp_state()._fsdp_param_group
+            comm = group._reduce_scatter_comm
+            shard = sum(p.padded_sharded_param_size.numel() for p in group.fsdp_params)
+            g = torch.Generator().manual_seed(rank)
+            x = torch.randn(world * shard, generator=g)
+            y = torch.full((shard,), float("nan"))
+            work = comm(y, x, dist.group.WORLD, dist.ReduceOp.AVG, async_op=async_op)
+            if async_op:
+                assert work is not None
+                work.wait()
+            results.append(y)
+        out[codec] = {"async": results[0], "sync": results[1]}
+    _save(outdir, "async", rank, out)
 
 
 def mismatched(rank, world, outdir, codecs):
@@ -260,6 +269,56 @@ def param_gather(rank, world, outdir, codecs):
     except ValueError as e:
         out["refused"] = str(e)
     _save(outdir, "param_gather", rank, out)
+
+
+# lowrank: test_lowrank's odd shapes in three FSDP groups (compressed matrices, tensors sent
+# uncompressed; dim 0 padded at W = 2 and 3, (1, 40) all padding on rank 1), gradients set to
+# lowrank_scenarios.grads (loss sum(p * c))
+LOWRANK_GROUPS = [lr.SHAPES[:3], lr.SHAPES[3:7], lr.SHAPES[7:]]
+
+
+class Given(nn.Module):
+    """One lowrank_scenarios.Linear per FSDP group."""
+
+    def __init__(self, groups):
+        super().__init__()
+        self.blocks = nn.ModuleList([lr.Linear(shapes) for shapes in groups])
+
+    def forward(self, cs):
+        out, i = 0, 0
+        for block in self.blocks:
+            out = out + block(cs[i:i + len(block.ps)])
+            i += len(block.ps)
+        return out
+
+
+def make_given(**kw):
+    model = Given(LOWRANK_GROUPS)
+    for block in model.blocks:
+        fully_shard(block, **kw)
+    fully_shard(model)
+    return model
+
+
+def lowrank(rank, world, outdir, steps=3, seed=0):
+    """lowrank:2 over ``steps`` steps of lowrank_scenarios.grads: each step's sharded gradients,
+    residuals and Q factors, the parameters' names (their Q's seeds) and the traffic; then the
+    messages of refused configurations."""
+    model = make_given()
+    state = gradzip.fsdp.compress(model, f"lowrank:{lr.RANK}", min_compress_numel=0)
+    out = {"names": [n for n, _ in model.named_parameters()], "grads": [], "state": []}
+    for step in range(steps):
+        model(lr.grads(lr.SHAPES, step, rank, seed)).backward()
+        out["grads"].append(local_grads(model))
+        out["state"].append(state.state_dict()["groups"])
+        model.zero_grad(set_to_none=True)
+    out["stats"] = state.stats
+    try:  # one parameter sharded on dim 1
+        placement = lambda p: Shard(1) if p.shape == (40, 30) else None  # noqa: E731
+        gradzip.fsdp.compress(make_given(shard_placement_fn=placement), f"lowrank:{lr.RANK}")
+    except ValueError as e:
+        out["refused"] = str(e)
+    _save(outdir, "lowrank", rank, out)
 
 
 def session(rank, world, outdir, plan):

@@ -1,22 +1,32 @@
 """gradzip.fsdp on real multi-process Gloo (CPU), world sizes 2 and 3: FSDP2 models whose shards
 FSDP pads, step-0 gradients against uncompressed FSDP2 (default policy, bf16 and fp16 reduce
 dtypes, a divide factor), identical full parameters on every rank after SGD-with-momentum and AdamW steps,
-non-finite gradients kept visible, exact resume, async reduce-scatter, mismatched ranks."""
+non-finite gradients kept visible, exact resume, async reduce-scatter, mismatched ranks; lowrank:R
+against test_lowrank's float64 reference of the whole average, each rank holding its rows."""
 
+import math
 import os
 
 import pytest
 import torch
 
 import fsdp_scenarios as sc
+import lowrank_scenarios as lr
 from dist_util import run_ranks
+from gradzip.costmodel import Codec, Link, bucket_cost
+from gradzip.ddp import SimulatedWorkers
+from gradzip.fsdp import FSDPCompressionState
+from test_lowrank import reference
 
-STEP0 = ["fp32", "bf16", "fp16", "int8", "int8:block=64", "sign:block=64", "topk:1", "topk:0.1"]
+LOWRANK = f"lowrank:{lr.RANK}"
+STEP0 = ["fp32", "bf16", "fp16", "int8", "int8:block=64", "sign:block=64", "topk:1", "topk:0.1",
+         LOWRANK]
 # relative error of a codec's step-0 sharded gradient against uncompressed FSDP2, per tensor
 BOUND = {"fp32": 1e-6, "topk:1": 1e-6, "bf16": 2e-2, "fp16": 2e-2, "int8": 5e-2, "int8:block=64": 5e-2}
-TRAIN = ["bf16", "int8", "sign:block=64", "topk:0.1"]
-NONFINITE = ["bf16", "int8", "sign:block=64", "topk:0.1"]
-RESUME = ["int8", "topk:0.1"]
+TRAIN = ["bf16", "int8", "sign:block=64", "topk:0.1", LOWRANK]
+NONFINITE = ["bf16", "int8", "sign:block=64", "topk:0.1", LOWRANK]
+RESUME = ["int8", "topk:0.1", LOWRANK]
+LOWRANK_STEPS = 3
 MISMATCH = ["int8", "sign"]
 PARAM = [None, "bf16", "int8:block=64"]
 UNCOMPRESSED = ["int8", "sign:block=64"]
@@ -28,8 +38,8 @@ def session(request, tmp_path_factory):
     world = request.param
     outdir = tmp_path_factory.mktemp(f"fsdp{world}")
     plan = [("step0", (STEP0,)), ("train", ([None] + TRAIN,)), ("nonfinite", (NONFINITE,)),
-            ("resume", (RESUME,)), ("async_call", ("int8",)), ("param_gather", (PARAM,)),
-            ("uncompressed", (UNCOMPRESSED,)),
+            ("resume", (RESUME,)), ("async_call", (["int8", LOWRANK],)), ("param_gather", (PARAM,)),
+            ("uncompressed", (UNCOMPRESSED,)), ("lowrank", (LOWRANK_STEPS,)),
             ("mismatched", (MISMATCH,))]  # last: it leaves a backward pass unfinished
     run_ranks(sc.session, world, str(outdir), plan, timeout=300)
     return world, outdir
@@ -55,6 +65,8 @@ def test_step0_gradients_match_uncompressed_fsdp(session, policy):
             assert [g.dtype for g in got] == [g.dtype for g in ref]
             for i, (g, e) in enumerate(zip(got, ref)):
                 assert torch.isfinite(g).all()
+                if codec == LOWRANK:  # a whole matrix's estimate: see test_lowrank_step0_policies
+                    continue
                 err = rel(g, e)
                 # a 16-bit reduce dtype rounds FSDP's own result and ours: compare at its precision
                 bound = max(BOUND.get(codec, 0.0), {"reduce_bf16": 8e-3, "reduce_fp16": 1e-3}.get(policy, 0.0))
@@ -69,6 +81,26 @@ def test_step0_gradients_match_uncompressed_fsdp(session, policy):
             low = 0.9 if policy.startswith("reduce_") and codec in ("bf16", "fp16") else 1.5
             if codec not in ("fp32", "topk:1"):
                 assert stats["compression_ratio"] > low, (codec, stats)
+
+
+def test_lowrank_step0_policies(session):
+    """lowrank's step-0 average, stacked from every rank's shards (the projection of the whole
+    matrix onto P's span: never farther from the exact one than the exact one's norm, where a
+    shard's rows may be), under each of FSDP's policies: FSDP's scaling kept (a divide factor of 1
+    is W times the average), a 16-bit reduce dtype to its precision."""
+    world, outdir = session
+    runs = load(outdir, "step0", world)
+
+    def stacked(key):
+        return [torch.cat([run[key][i] for run in runs]) for i in range(len(runs[0][key]))]
+
+    base = stacked(("default", LOWRANK))
+    for i, (b, e) in enumerate(zip(base, stacked(("default", None)))):
+        assert rel(b, e) < (1e-6 if b.dim() == 1 else 1.0), i  # biases: the exact average
+    for policy, factor, bound in [("reduce_bf16", 1, 1e-2), ("reduce_fp16", 1, 2e-3),
+                                  ("divide_1", world, 1e-6)]:
+        for i, (g, b) in enumerate(zip(stacked((policy, LOWRANK)), base)):
+            assert rel(g, b * factor) < bound, f"{policy} tensor {i}: {rel(g, b * factor):.3g}"
 
 
 def test_biases_sent_uncompressed(session):
@@ -128,8 +160,9 @@ def test_resume_from_state_dict_equals_uninterrupted_run(session):
 def test_async_reduce_scatter_completes_at_wait(session):
     world, outdir = session
     for run in load(outdir, "async", world):
-        assert torch.isfinite(run["async"]).all()
-        assert torch.equal(run["async"], run["sync"])
+        for codec, res in run.items():
+            assert torch.isfinite(res["async"]).all(), codec
+            assert torch.equal(res["async"], res["sync"]), codec
 
 
 def test_ranks_configured_differently_fail_with_value_error(session):
@@ -191,3 +224,94 @@ def test_parameter_all_gather_in_a_codec(session):
             assert torch.equal(a, b)
         assert ours["traffic"]["compression_ratio"] == 1.0 and ours["traffic"]["bytes_sent"] > 0
         assert "param_codec" in run["refused"] and "sign" in run["refused"]
+
+
+def lowrank_compressed(shape, rank=lr.RANK) -> bool:
+    """Whether lowrank approximates a tensor: two rank-r factors of its (shape[0], -1) matrix hold
+    under half of its elements (1-D tensors never)."""
+    if len(shape) < 2:
+        return False
+    rows, cols = shape[0], math.prod(shape) // shape[0]
+    r = min(rows, cols, rank)
+    return 2 * r * (rows + cols) < rows * cols
+
+
+def test_lowrank_shards_are_rows_of_the_float64_average(session):
+    """Stacked in rank order, the ranks' sharded gradients (FSDP's dim-0 chunks, padding left out)
+    are the whole average of test_lowrank's float64 power iteration (each Q seeded by the
+    parameter's name, error feedback), step after step; at W = 2 the DDP hook's reduction
+    (SimulatedWorkers) bit for bit."""
+    world, outdir = session
+    runs = load(outdir, "lowrank", world)
+    names = runs[0]["names"]
+    assert all(run["names"] == names for run in runs)
+    ref = reference(lr.SHAPES, names, world, LOWRANK_STEPS, lr.RANK)
+    sim = SimulatedWorkers(LOWRANK, world, min_compress_numel=0)
+    for step in range(LOWRANK_STEPS):
+        every = [torch.cat([g.reshape(-1) for g in lr.grads(lr.SHAPES, step, r)])
+                 for r in range(world)]
+        sims = sim.reduce(every, shapes=lr.SHAPES, keys=names).split(
+            [math.prod(s) for s in lr.SHAPES])
+        for i, shape in enumerate(lr.SHAPES):
+            rows = -(-shape[0] // world)
+            shards = [run["grads"][step][i] for run in runs]
+            assert [s.shape[0] for s in shards] == [
+                max(0, min(rows, shape[0] - r * rows)) for r in range(world)]
+            got = torch.cat(shards)
+            err = rel(got, ref[step][i])
+            assert err < 2e-5, f"step {step} {shape}: relative error {err:.2e}"
+            if world == 2:
+                assert torch.equal(got, sims[i].reshape(shape)), f"step {step} {shape}"
+
+
+def test_lowrank_error_feedback_and_q_over_steps(session):
+    """Each rank's residual after each step is M - P Q^T / W of its own M = g / W + its previous
+    residual (P Q^T: the reference's average; tensors sent uncompressed keep none), on the
+    unsharded gradient; the Q factors are the same on every rank."""
+    world, outdir = session
+    runs = load(outdir, "lowrank", world)
+    ref = reference(lr.SHAPES, runs[0]["names"], world, LOWRANK_STEPS, lr.RANK)
+    for w, run in enumerate(runs):
+        e = [torch.zeros(s, dtype=torch.float64) for s in lr.SHAPES]
+        for step in range(LOWRANK_STEPS):
+            saved = run["state"][step]
+            residuals = torch.cat([saved[k]["residual"] for k in sorted(saved)]).split(
+                [math.prod(s) for s in lr.SHAPES])
+            for i, (shape, g) in enumerate(zip(lr.SHAPES, lr.grads(lr.SHAPES, step, w))):
+                m = g.double() / world + e[i]
+                if lowrank_compressed(shape):
+                    e[i] = m - ref[step][i] / world
+                got = residuals[i].double().reshape(shape)
+                assert (got - e[i]).norm() <= 1e-5 * m.norm(), f"rank {w} step {step} {shape}"
+            for k, d in saved.items():
+                assert torch.equal(d["q"], runs[0]["state"][step][k]["q"]), (w, step, k)
+        assert any(lowrank_compressed(s) and e[i].norm() > 0 for i, s in enumerate(lr.SHAPES))
+
+
+def test_lowrank_counts_its_two_allreduces(session):
+    """Per parameter group, the two fp32 all-reduces of the DDP hook's bucket of the same
+    parameters (P with the uncompressed tensors, then Q): what gradzip.costmodel counts."""
+    world, outdir = session
+    stats = load(outdir, "lowrank", world)[0]["stats"]
+    assert stats["compressed_buckets"] == stats["buckets"] == len(sc.LOWRANK_GROUPS)
+    codec = Codec.parse(LOWRANK)
+    expect = sum(bucket_cost(codec, shapes, world, Link(10.0), min_compress_numel=0).sent_bytes
+                 for shapes in sc.LOWRANK_GROUPS)
+    # the model counts fractional bytes per ring step; the stats whole bytes per all-reduce
+    assert stats["bytes_sent"] == pytest.approx(expect, abs=2 * len(sc.LOWRANK_GROUPS))
+    assert stats["bytes_received"] == stats["bytes_sent"]
+    assert stats["compression_ratio"] > 1.5
+
+
+def test_lowrank_needs_dim0_shards(session):
+    world, outdir = session
+    for run in load(outdir, "lowrank", world):
+        msg = run["refused"]
+        assert "dim 0" in msg and "blocks.2.ps.1" in msg, msg
+
+
+@pytest.mark.parametrize("spec,part", [("lowrank", "needs its rank"), ("lowrank:0", "'0'"),
+                                       ("lowrank:x", "'x'"), ("lowrank:2:1", "'2:1'")])
+def test_bad_lowrank_specs_raise(spec, part):
+    with pytest.raises(ValueError, match=part):
+        FSDPCompressionState(spec)

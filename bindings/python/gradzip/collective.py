@@ -191,6 +191,15 @@ def initial_q(key, cols: int, rank: int) -> torch.Tensor:
     return torch.randn(cols, rank, generator=g).reshape(-1)
 
 
+def initial_qs(layout: Layout, rank: int, device) -> torch.Tensor:
+    """A bucket's first flat Q for lowrank:``rank``: each parameter's initial_q at its q_offsets."""
+    qs = q_offsets(layout, rank)
+    q = torch.zeros(sum(m for _, m, _ in qs.values()), dtype=torch.float32, device=device)
+    for key, (off, m, cols) in qs.items():
+        q[off:off + m].copy_(initial_q(key, cols, m // cols))
+    return q
+
+
 def param_offsets(layout: Layout) -> dict:
     """key -> (offset in the bucket, numel, shape) for the parameters a layout describes (empty
     if its shapes do not add up to the bucket, i.e. are unknown)."""
@@ -288,10 +297,7 @@ class StateStore:
                          0 if owner is None else owner[0], [zeros(n) for _ in range(moments)],
                          q_rank=q_rank)
         if q_rank:
-            qs = st.q_offsets()
-            st.q = zeros(sum(m for _, m, _ in qs.values()))
-            for key, (off, m, cols) in qs.items():
-                st.q[off:off + m].copy_(initial_q(key, cols, m // cols))
+            st.q = initial_qs(layout, q_rank, device)
         sources = list(self.buckets.values()) + self._retired[::-1]  # live, then newest retired
         where = {}
         for src in sources:

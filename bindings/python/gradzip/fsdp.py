@@ -17,6 +17,13 @@ sum is the sharded gradient. Top-k selects per destination shard (k = ceil(ratio
 The reduction is C++ (``torch.classes.gradzip.CompressedAllreduce.reduce_scatter``, the encode,
 all-to-all and fp32 sum of the DDP hook's reduction, see bindings/torch/bucket_reduction.hpp).
 
+``lowrank:R`` has no per-shard encoding: P and Q of a parameter need all of its rows. Each rank
+reduces the group's unsharded gradient (its parameters one after the other, FSDP's padding left
+out) as the DDP hook reduces a bucket (``CompressedAllreduce.reduce_lowrank``: two fp32
+all-reduces of the factors, error feedback M - P Q^T / W on the unsharded gradient, each
+parameter's Q kept between steps and identical on every rank) and keeps its own rows of the
+average. Its parameters must be sharded on dim 0 (FSDP's default).
+
 FSDP's own rules hold: the gradient arrives in FSDP's reduce dtype (``MixedPrecisionPolicy``) and
 the result is returned in it; FSDP's divide factors are kept (``AVG`` averages, the pre- and
 post-division FSDP applies around a ``SUM`` stay FSDP's, ``set_gradient_divide_factor`` scales by
@@ -36,7 +43,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from . import _ops  # noqa: F401  (loads the extension that defines torch.classes.gradzip)
 from ._groups import reducing_group, require_same_config
-from .collective import _tuplify
+from .collective import _tuplify, initial_qs, layout_numels, layout_rows, traffic
 from .ddp import _Config, _ReducerState
 from .param_gather import CompressedAllGather, param_codec as _param_codec
 from .wire import MIN_COMPRESS_NUMEL, travels_uncompressed
@@ -105,13 +112,45 @@ class _GroupLayout:
     def describe(self) -> tuple:
         return (self.world, tuple((p.fqn, p.size, p.shard_dim) for p in self.params))
 
+    @property
+    def bucket(self) -> tuple:
+        """The unsharded group as a DDP bucket (collective.Layout): its parameters' names (the
+        keys that seed their first Q) and shapes, one after the other."""
+        return (sum(math.prod(p.size) for p in self.params),
+                tuple((p.fqn, p.size) for p in self.params))
+
+    def unsharded_index(self) -> torch.Tensor:
+        """The input's position of each element of ``bucket`` (dim-0 shards only): row i of a
+        parameter is row i % r of its chunk i // r, r = ceil(rows / W)."""
+        parts, start = [], 0
+        for p, c in zip(self.params, self.chunks):
+            if c:
+                r = -(-p.size[0] // self.world)
+                i = torch.arange(p.size[0])
+                row = (i // r) * self.shard + start + (i % r) * (c // r)
+                parts.append((row[:, None] + torch.arange(c // r)).reshape(-1))
+            start += c
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
 
 class _GroupState:
-    __slots__ = ("layout", "residual", "padding")
+    """One parameter group's state on this rank. lowrank: ``residual`` is the unsharded
+    gradient's (``layout.bucket``), ``q`` its parameters' Q factors; ``gather`` takes the unsharded
+    gradient out of the input, ``mine`` / ``into`` move this rank's rows of it into the output."""
 
-    def __init__(self, layout: _GroupLayout, residual: Optional[torch.Tensor]):
-        self.layout, self.residual = layout, residual
-        self.padding = layout.padding()
+    __slots__ = ("layout", "residual", "padding", "q", "gather", "mine", "into")
+
+    def __init__(self, layout: _GroupLayout, residual: Optional[torch.Tensor],
+                 q: Optional[torch.Tensor], rank: int, device):
+        self.layout, self.residual, self.q = layout, residual, q
+        self.padding = layout.padding().to(device)
+        self.gather = self.mine = self.into = None
+        if q is not None:
+            index = layout.unsharded_index()
+            first = rank * layout.shard
+            mine = ((index >= first) & (index < first + layout.shard)).nonzero().view(-1)
+            self.gather, self.mine = index.to(device), mine.to(device)
+            self.into = (index[mine] - first).to(device)
 
 
 class CompressedReduceScatter(ReduceScatter):
@@ -136,10 +175,12 @@ class FSDPCompressionState(_ReducerState):
 
     ``stats`` holds the last completed step's traffic of this rank (``bytes_sent``,
     ``bytes_received``, ``raw_bytes`` = what FSDP's own reduce-scatter of the same input in its
-    reduce dtype sends, ``compression_ratio`` = raw / sent). A step ends when every parameter group
+    reduce dtype sends, ``compression_ratio`` = raw / sent; lowrank counts its two all-reduces as
+    the DDP hook does). A step ends when every parameter group
     has been reduced once (or one is reduced again). ``state_dict()`` / ``load_state_dict()`` carry
     the residuals (one per parameter group, checked against the group's parameters, sizes and
-    world size) and the step count; the state pickles without process groups or modules.
+    world size), lowrank's Q factors and the step count; the state pickles without process groups
+    or modules.
 
     The first reduce-scatter checks, with one small all-gather, that every rank uses the same
     configuration and parameter groups, and raises ``ValueError`` on all ranks otherwise. On CPU
@@ -155,9 +196,6 @@ class FSDPCompressionState(_ReducerState):
         super().__init__(_Config(codec, error_feedback, warmup_steps, min_compress_numel,
                                  guard_nonfinite, cast_sum="fp32",
                                  uncompressed_numel=uncompressed_numel))
-        if self.config.plan.lowrank_rank:
-            raise ValueError(f"gradzip.fsdp: {self.config.plan.spec} is not available for FSDP's "
-                             "reduce-scatter yet (it is a DDP comm hook codec)")
         self.param_codec = None if param_codec is None else _param_codec(param_codec)
         # the parameter all-gathers' bytes since construction (CompressedAllGather adds to it)
         self._gather_traffic = {"bytes_sent": 0, "raw_bytes": 0}
@@ -186,8 +224,8 @@ class FSDPCompressionState(_ReducerState):
     # -- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
         self._commit()
-        groups = {i: {"layout": g.layout.describe(),
-                      "residual": None if g.residual is None else g.residual.detach().clone()}
+        clone = lambda t: None if t is None else t.detach().clone()  # noqa: E731
+        groups = {i: {"layout": g.layout.describe(), "residual": clone(g.residual), "q": clone(g.q)}
                   for i, g in self._groups.items()}
         groups.update({i: d for i, d in self._loaded.items() if i not in groups})
         return {"version": _STATE_VERSION, "codec": self.config.codec, "step": self.step,
@@ -241,13 +279,17 @@ class FSDPCompressionState(_ReducerState):
                              f"process group (got {group.group_name!r} after "
                              f"{self._group_name!r})")
 
-    def _group_state(self, index: int, world: int, device) -> _GroupState:
+    def _group_state(self, index: int, world: int, rank: int, device) -> _GroupState:
         layout = _GroupLayout(world, self._params[index])
         st = self._groups.get(index)
         if st is None:
-            residual = None
-            if self.config.error_feedback:
-                residual = torch.zeros(world * layout.shard, dtype=torch.float32, device=device)
+            q_rank = self.config.plan.lowrank_rank
+            residual = q = None
+            if self.config.error_feedback:  # lowrank's: of the unsharded gradient, no padding
+                n = layout.bucket[0] if q_rank else world * layout.shard
+                residual = torch.zeros(n, dtype=torch.float32, device=device)
+            if q_rank:
+                q = initial_qs(layout.bucket, q_rank, device)
             saved = self._loaded.pop(index, None)
             if saved is not None:
                 if _tuplify(saved["layout"]) != layout.describe():
@@ -256,8 +298,9 @@ class FSDPCompressionState(_ReducerState):
                                      f"{layout.describe()} (another model or world size?)")
                 if residual is not None and saved["residual"] is not None:
                     residual.copy_(saved["residual"])
-            st = self._groups[index] = _GroupState(layout, residual)
-            st.padding = st.padding.to(device)
+                if q is not None and saved.get("q") is not None:
+                    q.copy_(saved["q"])
+            st = self._groups[index] = _GroupState(layout, residual, q, rank, device)
         return st
 
     def _prescale(self, op, world: int, divide_factor: Optional[float]) -> float:
@@ -279,7 +322,7 @@ class FSDPCompressionState(_ReducerState):
             self._end_step()  # a group not reduced in the last step (no gradient): end it here
             self._commit()
         self._setup(group, input.device)
-        st = self._group_state(index, world, input.device)
+        st = self._group_state(index, world, rank, input.device)
         if input.numel() != world * st.layout.shard or output.numel() != st.layout.shard:
             raise ValueError(f"gradzip.fsdp: parameter group {index}: reduce-scatter of "
                              f"{input.numel()} -> {output.numel()} elements, its parameters make "
@@ -288,7 +331,12 @@ class FSDPCompressionState(_ReducerState):
         item = input.element_size()
         raw = (world - 1) * st.layout.shard * item
         exact = st.layout.exact(self.config.uncompressed_numel)
-        if compressed:
+        lowrank = st.q is not None
+        if compressed and lowrank:
+            bucket = st.layout.bucket
+            sent, received = traffic(self.config.plan, tuple(layout_numels(bucket)), world, rank,
+                                     tuple(layout_rows(bucket)))
+        elif compressed:
             sent, received = _ops.reduce_scatter_traffic(self.config.codec, world, rank,
                                                          st.layout.numels, exact)
         else:
@@ -299,19 +347,46 @@ class FSDPCompressionState(_ReducerState):
             self._end_step()
         if not compressed:
             return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+        scale = self._prescale(op, world, divide_factor)
+        if lowrank:
+            fut = self._reduce_lowrank(index, st, output, input, scale * world)
+        else:
+            fut = self._reduce_codec(index, st, output, input, scale, exact)
+        if async_op:
+            return torch._C._distributed_c10d._create_work_from_future(fut)
+        fut.wait()
+        return None
+
+    def _reduce_codec(self, index, st, output, input, prescale, exact):
         x = input.reshape(-1)
         x = x if x.dtype == torch.float32 else x.float()
         if st.residual is not None:
             if self._guard is not None:
                 self._guard.save([st.residual])  # before the update: an overflow step undoes it
             st.residual.index_fill_(0, st.padding, 0.0)  # padding is zero, as FSDP pads it
-        fut = self._runtime.reduce_scatter(index, output.view(-1), x, st.layout.numels,
-                                           st.residual, self._prescale(op, world, divide_factor),
-                                           exact)
-        if async_op:
-            return torch._C._distributed_c10d._create_work_from_future(fut)
-        fut.wait()
-        return None
+        return self._runtime.reduce_scatter(index, output.view(-1), x, st.layout.numels,
+                                            st.residual, prescale, exact)
+
+    def _reduce_lowrank(self, index, st, output, input, scale):
+        """The whole unsharded gradient's lowrank average on every rank (the DDP hook's
+        reduction of a bucket), ``scale`` times it (FSDP's op: W for a SUM) in this rank's rows."""
+        if self._guard is not None:  # before the update: an overflow step undoes both
+            self._guard.save([t for t in (st.residual, st.q) if t is not None])
+        bucket = st.layout.bucket
+        x = input.reshape(-1).index_select(0, st.gather).float()
+        fut = self._runtime.reduce_lowrank(index, x, x, layout_numels(bucket),
+                                           layout_rows(bucket), st.residual, st.q)
+
+        def keep_mine(f):
+            mine = f.value()[0].index_select(0, st.mine)
+            if scale != 1.0:
+                mine.mul_(scale)
+            out = output.view(-1)
+            out.zero_()  # FSDP's padding
+            out.index_copy_(0, st.into, mine.to(out.dtype))
+            return [output]
+
+        return fut.then(keep_mine)
 
 
 def compress(root: torch.nn.Module, codec: str, error_feedback: bool = True,
@@ -323,7 +398,7 @@ def compress(root: torch.nn.Module, codec: str, error_feedback: bool = True,
 
     Args:
         codec: ``"bf16"``, ``"fp16"``, ``"int8[:block=N]"``, ``"sign[:block=N]"``,
-            ``"topk:RATIO[:values=fp16]"`` (as the DDP hook's).
+            ``"topk:RATIO[:values=fp16]"``, ``"lowrank:R"`` (as the DDP hook's).
         error_feedback: keep a residual of the unsharded gradient per parameter group on each rank.
         warmup_steps: the first steps use FSDP's own reduce-scatter.
         min_compress_numel: parameter groups with fewer unsharded gradient elements use FSDP's own
@@ -336,6 +411,8 @@ def compress(root: torch.nn.Module, codec: str, error_feedback: bool = True,
             gathers in 16 bits already are sent as they are). None: FSDP's own all-gather.
         uncompressed_numel: with int8/sign, the gradients of 1-D parameters and of those with
             fewer elements travel in fp32 (exact sum, no residual), as the DDP hook's option.
+
+    ``"lowrank:R"`` (the DDP hook's PowerSGD class) needs every parameter sharded on dim 0.
     """
     state = FSDPCompressionState(codec, error_feedback, warmup_steps, min_compress_numel,
                                  guard_nonfinite, param_codec, uncompressed_numel)
@@ -352,6 +429,10 @@ def compress(root: torch.nn.Module, codec: str, error_feedback: bool = True,
             _Param(names.get(id(p.sharded_param), f"{index}.{k}"), tuple(p._orig_size),
                    int(p.fsdp_placement.dim))
             for k, p in enumerate(group.fsdp_params))
+        other = [p.fqn for p in state._params[index] if p.shard_dim != 0 or not p.size]
+        if state.config.plan.lowrank_rank and other:
+            raise ValueError(f"gradzip.fsdp: {state.codec} needs every parameter sharded on dim 0 "
+                             f"(FSDP's default); {other} are not")
         module.set_custom_reduce_scatter(CompressedReduceScatter(state, index, group))
         if state.param_codec is not None:
             params = state._params[index]

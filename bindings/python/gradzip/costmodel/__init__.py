@@ -21,7 +21,9 @@ hooks (the header is not sent); two-phase for fp32, int8, sign and the casts wit
 (fp32 accumulation, plus a header per shard); all-gather of fixed-size payloads for top-k; and
 buckets under `min_compress_numel` elements as a plain fp32 all-reduce. PyTorch's hooks: `none` is DDP's fp32 ring all-reduce,
 `torch-fp16`/`torch-bf16` a 16-bit all-reduce, PowerSGD three all-reduces per bucket
-(uncompressed tensors, P, Q); gradzip's lowrank:R two (P with the uncompressed tensors, Q).
+(uncompressed tensors, P, Q); gradzip's lowrank:R two (P with the uncompressed tensors, Q), per
+DDP bucket and per FSDP2 parameter group alike (gradzip.fsdp reduces a group's unsharded gradient
+as the DDP hook reduces a bucket of the same tensors: `bucket_cost` of the group's shapes).
 
 `python -m gradzip.costmodel` (costmodel/__main__.py) prints the projection table of
 gradzip/costmodel_cli.py, which imports this module and not the other way round.

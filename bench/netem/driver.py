@@ -13,9 +13,9 @@ Scenes are rendered before the first step, as a data loader would have them read
 
 Hooks named ``fsdp-*`` train the model under FSDP2 instead (``fully_shard`` on every encoder block
 and the root): ``fsdp-none`` is FSDP's own fp32 reduce-scatter, ``fsdp-torch-bf16`` FSDP with a
-bf16 reduce dtype (PyTorch's bar), ``fsdp-CODEC`` gradzip.fsdp's compressed reduce-scatter (``fsdp-CODEC+params=PCODEC``: and
-its compressed parameter all-gather, gradzip.fsdp's ``param_codec``). Their
-rows compare against ``fsdp-none`` and ``fsdp-torch-bf16``; the cost model predicts the DDP rows
+bf16 reduce dtype (PyTorch's bar), ``fsdp-CODEC`` gradzip.fsdp's compressed reduce-scatter
+(``fsdp-CODEC+params=PCODEC``: and its compressed parameter all-gather, gradzip.fsdp's
+``param_codec``). Their rows compare against ``fsdp-none`` and ``fsdp-torch-bf16``; the cost model predicts the DDP rows
 only.
 """
 
@@ -404,7 +404,9 @@ def check_hooks(hooks: str) -> int:
             continue
         if h.startswith(FSDP_PREFIX):
             codec, param_codec = fsdp_codecs(h)
-            if param_codec is not None and codec in ("none", "torch-bf16"):
+            if codec in ("none", "torch-bf16"):
+                if param_codec is None:
+                    continue
                 print(f"netem: hook {h!r}: +params= needs a gradzip codec for the reduce-scatter "
                       "(fsdp-CODEC+params=PCODEC)", file=sys.stderr)
                 return 2
@@ -416,8 +418,6 @@ def check_hooks(hooks: str) -> int:
                 except ValueError as e:
                     print(f"netem: hook {h!r}: {e}", file=sys.stderr)
                     return 2
-            if codec in ("none", "torch-bf16"):
-                continue
             h = codec
         try:
             cm.Codec.parse(h)

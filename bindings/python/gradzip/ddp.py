@@ -370,9 +370,9 @@ class CompressionState(_ReducerState):
         direction = self.config.direction
         shared = direction is not None and direction.moments_shared
         if self._ef.buckets:
-            kept = [what for what, kept in (("the optimizer moments", shared),
-                                            ("the Q factors", self.config.plan.lowrank_rank))
-                    if kept]
+            kept = [name for name, keeps in (("the optimizer moments", shared),
+                                             ("the Q factors", self.config.plan.lowrank_rank))
+                    if keeps]
             what = ("its residuals are dropped (they are per rank; "
                     f"{' and '.join(kept)}, the same on every rank, are kept)" if kept else
                     "its residuals and optimizer moments are dropped (they are per rank)")

@@ -1,7 +1,8 @@
 // The compressed all-reduce as TorchScript classes (torch.classes.gradzip.*), for the Python hook
 // (gradzip.ddp) and its in-process simulation:
-//   CompressedAllreduce(group_name, codec, guard?, cast_sum="wire")   over the registered process
-//                                                    group of that name
+//   CompressedAllreduce(group_name, codec, guard?, cast_sum="wire", gather_group_name="")   over
+//                                                    the registered process group of that name
+//                                                    (and that one for the two-phase all-gathers)
 //   BucketReduction(codec, world, rank, numels, like, cast_sum="wire", exact=[])   one rank's
 //                                                    phases, exchange done by the caller
 //   LowRankReduction(rank, world, numels, rows, like)   one rank's phases of lowrank:R, the
@@ -95,13 +96,15 @@ TORCH_LIBRARY_FRAGMENT(gradzip, m) {
   m.class_<CompressedAllreduce>("CompressedAllreduce")
       .def(torch::init([](const std::string& group_name, const std::string& codec,
                           const std::optional<c10::intrusive_ptr<NonfiniteGuard>>& guard,
-                          const std::string& cast_sum) {
+                          const std::string& cast_sum, const std::string& gather_group_name) {
              return c10::make_intrusive<CompressedAllreduce>(
                  c10d::resolve_process_group(group_name), codec, guard.value_or(nullptr),
-                 parse_cast_sum(cast_sum));
+                 parse_cast_sum(cast_sum),
+                 gather_group_name.empty() ? nullptr
+                                           : c10d::resolve_process_group(gather_group_name));
            }),
            "", {torch::arg("group_name"), torch::arg("codec"), torch::arg("guard"),
-                torch::arg("cast_sum") = "wire"})
+                torch::arg("cast_sum") = "wire", torch::arg("gather_group_name") = ""})
       .def("reduce",
            [](const c10::intrusive_ptr<CompressedAllreduce>& self, int64_t index,
               const at::Tensor& bucket, const at::Tensor& x, const std::vector<int64_t>& numels,

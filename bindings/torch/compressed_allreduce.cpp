@@ -17,8 +17,10 @@ namespace gradzip::torch_ext {
 CompressedAllreduce::CompressedAllreduce(c10::intrusive_ptr<c10d::ProcessGroup> group,
                                          const std::string& codec,
                                          c10::intrusive_ptr<NonfiniteGuard> guard,
-                                         CastSum cast_sum)
+                                         CastSum cast_sum,
+                                         c10::intrusive_ptr<c10d::ProcessGroup> gather_group)
     : group_(std::move(group)),
+      gather_group_(std::move(gather_group)),
       lowrank_(parse_lowrank(codec)),
       codec_(lowrank_ ? std::nullopt : std::optional<Codec>(guarded("compressed_allreduce", [&] {
         return Codec::parse(codec);
@@ -26,24 +28,35 @@ CompressedAllreduce::CompressedAllreduce(c10::intrusive_ptr<c10d::ProcessGroup> 
       guard_(std::move(guard)),
       cast_sum_(cast_sum) {
   TORCH_CHECK_VALUE(group_, "gradzip: compressed_allreduce needs a process group");
+  TORCH_CHECK_VALUE(!gather_group_ || (gather_group_->getSize() == group_->getSize() &&
+                                       gather_group_->getRank() == group_->getRank()),
+                    "gradzip: the gather group must hold the same ranks as the group");
+  issue_->next = std::make_shared<Queue>();
 }
 
-CompressedAllreduce::~CompressedAllreduce() {
+CompressedAllreduce::~CompressedAllreduce() { stop(issue_); }
+
+void CompressedAllreduce::post(const std::shared_ptr<Queue>& queue, std::function<void()> job) {
   {
-    const std::lock_guard<std::mutex> lock(queue_->mutex);
-    queue_->stopping = true;
+    const std::lock_guard<std::mutex> lock(queue->mutex);
+    if (!queue->started) {
+      std::thread([queue] { serve(queue); }).detach();
+      queue->started = true;
+    }
+    queue->jobs.push_back(std::move(job));
   }
-  queue_->wake.notify_all();
-  if (thread_.joinable()) thread_.detach();  // it finishes the queued jobs, then exits
+  queue->wake.notify_one();
 }
 
-void CompressedAllreduce::submit(std::function<void()> job) {
+void CompressedAllreduce::stop(const std::shared_ptr<Queue>& queue) {
+  bool served = false;
   {
-    const std::lock_guard<std::mutex> lock(queue_->mutex);
-    if (!thread_.joinable()) thread_ = std::thread([queue = queue_] { serve(queue); });
-    queue_->jobs.push_back(std::move(job));
+    const std::lock_guard<std::mutex> lock(queue->mutex);
+    queue->stopping = true;
+    served = queue->started;
   }
-  queue_->wake.notify_one();
+  queue->wake.notify_all();
+  if (!served && queue->next) stop(queue->next);  // no thread to pass the stop on
 }
 
 void CompressedAllreduce::serve(const std::shared_ptr<Queue>& queue) {
@@ -52,12 +65,13 @@ void CompressedAllreduce::serve(const std::shared_ptr<Queue>& queue) {
     {
       std::unique_lock<std::mutex> lock(queue->mutex);
       queue->wake.wait(lock, [&] { return queue->stopping || !queue->jobs.empty(); });
-      if (queue->jobs.empty()) return;  // stopping, nothing left
+      if (queue->jobs.empty()) break;  // stopping, nothing left
       job = std::move(queue->jobs.front());
       queue->jobs.pop_front();
     }
     job();
   }
+  if (queue->next) stop(queue->next);
 }
 
 const Codec& CompressedAllreduce::codec() const {
@@ -66,43 +80,89 @@ const Codec& CompressedAllreduce::codec() const {
   return *codec_;
 }
 
-std::shared_ptr<BucketReduction> CompressedAllreduce::bucket_reduction(
+const CompressedAllreduce::Parts& CompressedAllreduce::bucket_reductions(
     int64_t index, const std::vector<int64_t>& numels, const std::vector<bool>& exact,
     const at::Tensor& x, Collective collective) {
   auto& cached = buckets_[index];
-  if (!cached.reduction || cached.numels != numels || cached.exact != exact ||
-      cached.reduction->layout().collective != collective ||
-      cached.reduction->gathered.device() != x.device())
-    cached = {numels, exact,
-              std::make_shared<BucketReduction>(codec(), world(), rank(), numels, x.options(),
-                                                collective, cast_sum_, exact)};
-  return cached.reduction;
+  if (!cached.parts.empty() && cached.numels == numels && cached.exact == exact &&
+      cached.parts[0]->layout().collective == collective &&
+      cached.parts[0]->gathered.device() == x.device())
+    return cached.parts;
+  const BucketLayout whole(codec(), world(), numels, collective, cast_sum_, exact);
+  Parts parts;
+  if (whole.wire_sum && !x.is_cuda()) {
+    // Casts are element-wise: chunks encode to the same values, and the backend sums each alone.
+    for (int64_t lo = 0; lo < whole.n; lo += kCastChunk)
+      parts.push_back(std::make_shared<BucketReduction>(
+          codec(), world(), rank(), std::vector<int64_t>{std::min(kCastChunk, whole.n - lo)},
+          x.options(), collective, cast_sum_));
+  } else {
+    parts.push_back(std::make_shared<BucketReduction>(codec(), world(), rank(), numels,
+                                                      x.options(), collective, cast_sum_, exact));
+  }
+  cached = {numels, exact, std::move(parts)};
+  return cached.parts;
 }
 
 namespace {
 
-void allreduce_average(c10d::ProcessGroup& group, const at::Tensor& x) {
+using Finish = std::function<void()>;
+
+Finish allreduce_average(c10d::ProcessGroup& group, const at::Tensor& x) {
   // As PyTorch's allreduce_hook: divide first (no overflow), then sum.
   x.div_(static_cast<double>(group.getSize()));
   std::vector<at::Tensor> tensors{x};
-  group.allreduce(tensors)->wait();
+  return [work = group.allreduce(tensors)] { work->wait(); };
 }
 
-void run(c10d::ProcessGroup& group, BucketReduction& r, const at::Tensor& x,
-         const at::Tensor& residual, const at::Tensor& owner_residual) {
-  r.encode(x, residual);
-  if (r.wire_sum()) {
+// Encodes and starts the first collective; the returned Finish completes the average in x.
+// `parts`: the bucket's reduction, or the consecutive chunks of a CPU cast bucket, each encoded and
+// sent while the previous one travels, and decoded in the same order.
+Finish start(c10d::ProcessGroup& group, c10d::ProcessGroup* gather_group,
+             const CompressedAllreduce::Parts& parts, const at::Tensor& x,
+             const at::Tensor& residual, const at::Tensor& owner_residual) {
+  const std::shared_ptr<BucketReduction>& r = parts[0];
+  if (r->wire_sum()) {
     // SUM in the wire dtype, in place: the backend gives every rank the same result.
-    std::vector<at::Tensor> payload{r.payload};
-    group.allreduce(payload)->wait();
-  } else {
-    if (r.two_phase()) {
-      group.alltoall_base(r.recv, r.send, r.recv_splits, r.send_splits)->wait();
-      r.reduce_owner(owner_residual);
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    int64_t lo = 0;
+    for (const auto& part : parts) {
+      const int64_t n = part->layout().n;
+      part->encode(x.narrow(0, lo, n), residual.defined() ? residual.narrow(0, lo, n) : residual);
+      std::vector<at::Tensor> payload{part->payload};
+      works.push_back(group.allreduce(payload));
+      lo += n;
     }
-    group._allgather_base(r.gathered, r.gather_in)->wait();
+    return [works, parts, x] {
+      int64_t lo = 0;
+      for (size_t i = 0; i < parts.size(); ++i) {
+        const int64_t n = parts[i]->layout().n;
+        works[i]->wait();
+        parts[i]->decode(x.narrow(0, lo, n));
+        lo += n;
+      }
+    };
   }
-  r.decode(x);
+  r->encode(x, residual);
+  if (!r->two_phase()) {
+    return [work = group._allgather_base(r->gathered, r->gather_in), r, x] {
+      work->wait();
+      r->decode(x);
+    };
+  }
+  auto exchange = group.alltoall_base(r->recv, r->send, r->recv_splits, r->send_splits);
+  auto second_phase = [r, x, owner_residual](c10d::ProcessGroup& g,
+                                             const c10::intrusive_ptr<c10d::Work>& exchange) {
+    exchange->wait();
+    r->reduce_owner(owner_residual);
+    g._allgather_base(r->gathered, r->gather_in)->wait();
+    r->decode(x);
+  };
+  if (gather_group == nullptr) {  // the all-gather on `group`: issued here, in call order
+    second_phase(group, exchange);
+    return {};
+  }
+  return [second_phase, gather_group, exchange] { second_phase(*gather_group, exchange); };
 }
 
 }  // namespace
@@ -117,21 +177,28 @@ c10::intrusive_ptr<c10::ivalue::Future> CompressedAllreduce::reduce(
                         bucket.device() == x.device(),
                     "gradzip: the bucket and its float32 values must match in size and device");
   compress = compress && world() > 1;
-  std::shared_ptr<BucketReduction> r =
-      compress ? bucket_reduction(index, numels, exact, x, Collective::allreduce) : nullptr;
+  const Parts parts =
+      compress ? bucket_reductions(index, numels, exact, x, Collective::allreduce) : Parts{};
+  const std::shared_ptr<BucketReduction> r = compress ? parts[0] : nullptr;
   TORCH_CHECK_VALUE(!owner_residual.defined() || !r || !r->wire_sum(),
                     "gradzip: an owner residual needs the two-phase sum; ", codec().name(),
                     " buckets are summed by one all-reduce in the wire dtype (cast_sum 'fp32' "
                     "keeps the two-phase sum)");
   const bool copy_back = !bucket.is_same(x);
-  return launch(index, bucket, r, [group = group_, guard = guard_, r, bucket, x, residual,
-                                   owner_residual, copy_back] {
-    if (r)
-      run(*group, *r, x, residual, owner_residual);
-    else
-      allreduce_average(*group, x);
-    if (guard) guard->flag(x);
-    if (copy_back) bucket.copy_(x);
+  // The gather group is used on the CPU only: on CUDA everything is enqueued in call order.
+  c10d::ProcessGroup* gather = x.is_cuda() ? nullptr : gather_group_.get();
+  return launch(index, bucket, r, [group = group_, gather_group = gather_group_, gather,
+                                   guard = guard_, parts, bucket, x, residual, owner_residual,
+                                   copy_back]() -> Finish {
+    if (guard && !parts.empty()) guard->save({residual, owner_residual});
+    Finish rest = !parts.empty() ? start(*group, gather, parts, x, residual, owner_residual)
+                    : allreduce_average(*group, x);
+    // gather_group: kept alive by the capture while `gather` may be used.
+    return [rest, gather_group, guard, bucket, x, copy_back] {
+      if (rest) rest();
+      if (guard) guard->flag(x);
+      if (copy_back) bucket.copy_(x);
+    };
   });
 }
 
@@ -149,16 +216,19 @@ c10::intrusive_ptr<c10::ivalue::Future> CompressedAllreduce::reduce_lowrank(
               std::make_shared<LowRankReduction>(*lowrank_, world(), numels, rows, x.options())};
   const bool copy_back = !bucket.is_same(x);
   return launch(index, bucket, nullptr, [group = group_, guard = guard_, r = cached.reduction,
-                                         bucket, x, residual, q, copy_back] {
+                                         bucket, x, residual, q, copy_back]() -> Finish {
+    if (guard) guard->save({residual, q});
     r->compute_p(x, residual, q);
     std::vector<at::Tensor> p{r->p};
     group->allreduce(p)->wait();
     r->compute_q(x, q);
     std::vector<at::Tensor> qs{q};
-    group->allreduce(qs)->wait();
-    r->finish(x, residual, q);
-    if (guard) guard->flag(x);
-    if (copy_back) bucket.copy_(x);
+    return [work = group->allreduce(qs), guard, r, bucket, x, residual, q, copy_back] {
+      work->wait();
+      r->finish(x, residual, q);
+      if (guard) guard->flag(x);
+      if (copy_back) bucket.copy_(x);
+    };
   });
 }
 
@@ -171,42 +241,58 @@ c10::intrusive_ptr<c10::ivalue::Future> CompressedAllreduce::reduce_scatter(
                     "gradzip: reduce_scatter needs a contiguous input of world size (", world(),
                     ") times the output's ", output.numel(), " elements on its device, got ",
                     x.numel(), " elements");
-  std::shared_ptr<BucketReduction> r =
-      bucket_reduction(index, numels, exact, x, Collective::reduce_scatter);
+  const std::shared_ptr<BucketReduction> r =
+      bucket_reductions(index, numels, exact, x, Collective::reduce_scatter)[0];
   // The sum is fp32; an output of another dtype receives it rounded once.
   const at::Tensor sum = output.scalar_type() == at::kFloat ? output : output.to(at::kFloat);
   return launch(index, output, r, [group = group_, guard = guard_, r, output, sum, x, residual,
-                                   prescale] {
+                                   prescale]() -> Finish {
+    if (guard) guard->save({residual});
     r->encode(x, residual, static_cast<float>(prescale));
-    group->alltoall_base(r->recv, r->send, r->recv_splits, r->send_splits)->wait();
-    r->sum_shard(sum);
-    if (guard) guard->flag(sum);
-    if (!sum.is_same(output)) output.copy_(sum);
+    return [work = group->alltoall_base(r->recv, r->send, r->recv_splits, r->send_splits), guard,
+            r, output, sum] {
+      work->wait();
+      r->sum_shard(sum);
+      if (guard) guard->flag(sum);
+      if (!sum.is_same(output)) output.copy_(sum);
+    };
   });
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> CompressedAllreduce::launch(
     int64_t index, const at::Tensor& result, const std::shared_ptr<BucketReduction>& r,
-    std::function<void()> body) {
+    std::function<Finish()> body) {
   std::vector<c10::Device> devices;
   if (result.is_cuda()) devices.push_back(result.device());
   auto future = c10::make_intrusive<c10::ivalue::Future>(
       c10::ListType::create(c10::TensorType::get()), devices);
-  // Captures no `this`: on the CPU path it may run after this object is gone.
-  auto work = [body = std::move(body), result, future] {
+  // Runs a step; false (the Future holding the error) if it threw.
+  auto attempt = [future](const std::function<void()>& step) {
     try {
       const at::NoGradGuard no_grad;
-      body();
-      future->markCompleted(c10::IValue(c10::List<at::Tensor>({result})));
+      step();
+      return true;
     } catch (...) {
       future->setError(std::current_exception());
+      return false;
     }
   };
+  auto finish = [attempt, result, future](const Finish& rest) {
+    if (attempt([&] {
+          if (rest) rest();
+        }))
+      future->markCompleted(c10::IValue(c10::List<at::Tensor>({result})));
+  };
   if (!result.is_cuda()) {
-    submit(std::move(work));
+    // Captures no `this`: on the CPU path it may run after this object is gone.
+    post(issue_, [body = std::move(body), attempt, finish, next = issue_->next] {
+      Finish rest;
+      if (attempt([&] { rest = body(); })) post(next, [finish, rest] { finish(rest); });
+    });
     return future;
   }
-  work();
+  Finish rest;
+  if (attempt([&] { rest = body(); })) finish(rest);
   if (r && !future->hasError()) watch_decodes(*r, result, index);
   return future;
 }

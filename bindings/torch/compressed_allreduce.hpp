@@ -9,9 +9,15 @@
 //
 // One object per model (per process group). reduce() returns at once with a Future of the bucket
 // (a one-tensor list, as c10d's collectives); the bucket holds the average when it completes.
-//   * CPU tensors: the work runs on one thread of its own, bucket after bucket in call order, so that
-//     every rank issues its collectives in the same order (the backend matches them by order) and
-//     the caller (DDP's backward pass) is never blocked by communication.
+//   * CPU tensors: two threads of their own form a pipeline. The issuing thread encodes a bucket
+//     and starts its first collective without waiting for it, bucket after bucket in call order,
+//     so that every rank issues its collectives in the same order (the backend matches them by
+//     order); the finishing thread waits for it, does the rest (a two-phase bucket's owner sum and
+//     all-gather, on `gather_group`) and decodes. So bucket k+1 is encoded while bucket k travels,
+//     as PyTorch's hooks cast a bucket while the previous one is all-reduced, and the caller
+//     (DDP's backward pass) is never blocked by communication. Without a gather group a
+//     two-phase bucket's all-gather stays on the issuing thread (its order on `group` must not
+//     depend on timing).
 //   * CUDA tensors: everything is enqueued on the caller's current stream at once; a collective's
 //     wait() makes the stream wait for it (NCCL), the host does not. Decode errors leave a
 //     device-side status word: the bucket is filled with NaN on the device (GradScaler and the
@@ -44,12 +50,17 @@ namespace gradzip::torch_ext {
 
 class CompressedAllreduce : public torch::CustomClassHolder {
  public:
-  // guard: records every reduced bucket's finiteness (see NonfiniteGuard), or null. cast_sum: how
+  // guard: saves the residuals and Q factors a reduction is about to update (on the thread or
+  // stream that updates them, just before) and records every reduced bucket's finiteness (see
+  // NonfiniteGuard), or null. cast_sum: how
   // reduce() sums fp16/bf16 buckets (bucket_reduction.hpp): one all-reduce in the wire dtype, or
-  // the two-phase fp32 sum.
+  // the two-phase fp32 sum. gather_group: the same ranks as `group` in a group of their own, for
+  // the two-phase all-gathers of CPU buckets (so that they overlap the next bucket's all-to-all),
+  // or null.
   CompressedAllreduce(c10::intrusive_ptr<c10d::ProcessGroup> group, const std::string& codec,
                       c10::intrusive_ptr<NonfiniteGuard> guard = {},
-                      CastSum cast_sum = CastSum::wire);
+                      CastSum cast_sum = CastSum::wire,
+                      c10::intrusive_ptr<c10d::ProcessGroup> gather_group = {});
   ~CompressedAllreduce() override;
 
   // Averages `bucket` (a float tensor of any float dtype) over the group. `x`: the float32 values
@@ -95,38 +106,54 @@ class CompressedAllreduce : public torch::CustomClassHolder {
   // has completed; later ones are checked at a later call). CPU errors reach the Future instead.
   void check_errors();
 
+  // A bucket's reduction, or the consecutive chunks it is sent in (see bucket_reductions).
+  using Parts = std::vector<std::shared_ptr<BucketReduction>>;
+  // Elements per chunk of a CPU cast bucket: small enough that the encode of the next chunk and
+  // the decode of the previous one hide behind a chunk's all-reduce, large enough that a chunk's
+  // collective costs little more than its bytes.
+  static constexpr int64_t kCastChunk = int64_t{1} << 20;
+
   int64_t world() const { return group_->getSize(); }
   int64_t rank() const { return group_->getRank(); }
 
  private:
-  // The CPU path's job queue, shared with its thread. The thread is detached, not joined, when the
-  // object goes: a finished job may still be releasing a Python callback of its Future (which takes
-  // the GIL) while the object is destroyed from Python (which holds it).
+  // The rest of a reduction once its first collective is started (waits, decodes), or empty.
+  using Finish = std::function<void()>;
+  // A job queue served in order by a detached thread of its own (started by the first job), shared
+  // with that thread: a finished job may still be releasing a Python callback of its Future (which
+  // takes the GIL) while the object is destroyed from Python (which holds it), so the threads are
+  // never joined. A stopped queue finishes its queued jobs, then stops `next`, the pipeline's
+  // following stage, which therefore receives every job posted to it before it stops.
   struct Queue {
     std::mutex mutex;
     std::condition_variable wake;
     std::deque<std::function<void()>> jobs;
-    bool stopping = false;
+    bool started = false, stopping = false;
+    std::shared_ptr<Queue> next;
   };
+  static void post(const std::shared_ptr<Queue>& queue, std::function<void()> job);
+  static void stop(const std::shared_ptr<Queue>& queue);
   static void serve(const std::shared_ptr<Queue>& queue);
 
-  std::shared_ptr<BucketReduction> bucket_reduction(int64_t index, const std::vector<int64_t>& numels,
-                                                    const std::vector<bool>& exact,
-                                                    const at::Tensor& x, Collective collective);
-  // Runs `body` (a reduction that leaves its value in `result`, capturing no `this`) on the CPU
-  // thread, or at once on the CUDA stream (then watches r's decodes); returns the Future of `result`.
+  // A bucket's reductions, built at its first call and reused while its layout stays: one, or the
+  // chunks of kCastChunk elements of a CPU cast bucket summed on the wire (reduce-scatter: one).
+  const Parts& bucket_reductions(int64_t index, const std::vector<int64_t>& numels,
+                                 const std::vector<bool>& exact, const at::Tensor& x,
+                                 Collective collective);
+  // Runs `body` (a reduction that starts its collectives and returns what remains to leave its
+  // value in `result`; neither captures `this`) on the issuing thread and its Finish on the
+  // finishing thread, or both at once on the CUDA stream (then watches r's decodes); returns the
+  // Future of `result`.
   c10::intrusive_ptr<c10::ivalue::Future> launch(int64_t index, const at::Tensor& result,
                                                  const std::shared_ptr<BucketReduction>& r,
-                                                 std::function<void()> body);
+                                                 std::function<Finish()> body);
   // CUDA: NaN-fills `result` on the device if a decode of `r`'s last step failed, and queues the
   // host-side check of its status words for check_errors().
   void watch_decodes(const BucketReduction& r, const at::Tensor& result, int64_t index);
-  void submit(std::function<void()> job);
-
   // The codec reduce() compresses with, or the rank of a "lowrank:R" object (which has no codec).
   const Codec& codec() const;
 
-  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  c10::intrusive_ptr<c10d::ProcessGroup> group_, gather_group_;
   std::optional<int64_t> lowrank_;
   std::optional<Codec> codec_;
   c10::intrusive_ptr<NonfiniteGuard> guard_;
@@ -134,7 +161,7 @@ class CompressedAllreduce : public torch::CustomClassHolder {
   struct Cached {
     std::vector<int64_t> numels;
     std::vector<bool> exact;
-    std::shared_ptr<BucketReduction> reduction;
+    Parts parts;
   };
   std::unordered_map<int64_t, Cached> buckets_;  // touched by the caller's thread only
   struct CachedLowRank {
@@ -146,8 +173,8 @@ class CompressedAllreduce : public torch::CustomClassHolder {
   std::vector<std::function<bool()>> pending_checks_;
   std::mutex checks_mutex_;
 
-  std::shared_ptr<Queue> queue_ = std::make_shared<Queue>();
-  std::thread thread_;  // started by the first CPU job
+  // The CPU pipeline: the issuing thread's queue, whose `next` is the finishing thread's.
+  std::shared_ptr<Queue> issue_ = std::make_shared<Queue>();
 };
 
 }  // namespace gradzip::torch_ext

@@ -2,8 +2,8 @@
 // reduced bucket holding Inf/NaN, which GradScaler skips) must leave every residual and moment as it
 // was before the step. `save` copies state tensors before they are updated, `flag` records whether a
 // reduced bucket is finite, `commit` (once every bucket of the step is reduced) restores all saved
-// tensors if any bucket was not. Device-side only (torch.where on a device flag): no host
-// synchronisation. The flags come from the reduced results, identical on all ranks, so every rank
+// tensors if any bucket was not. On a GPU device-side only (torch.where on a device flag): no host
+// synchronisation; on the CPU the flag is read and only an overflow step restores. The flags come from the reduced results, identical on all ranks, so every rank
 // keeps or drops its updates together.
 #pragma once
 
@@ -24,7 +24,7 @@ class NonfiniteGuard : public torch::CustomClassHolder {
   void commit();
 
  private:
-  std::mutex mutex_;  // save runs on the hook's thread, flag on the reducing thread
+  std::mutex mutex_;  // save runs on the hook's or the reducing thread, flag on the reducing one
   std::vector<std::pair<at::Tensor, at::Tensor>> saved_;  // (state tensor, its backup)
   std::vector<at::Tensor> flags_;
   // Backups persist from step to step: a fresh multi-MB CPU buffer per step pays its page faults.

@@ -189,13 +189,14 @@ def sum_16_bit(rank, world, outdir):
 
 
 def cast_sums(rank, world, outdir, configs):
-    """For each (name, codec, cast_sum): one layer (one bucket, so the test's reference needs no
-    bucket layout) trained 5 steps with the hook, recording every reduction and this rank's
-    residual after each step; then steps 3-4 again from a checkpoint of the state after step 2
-    (model, optimizer, CompressionState.state_dict), in a fresh DDP and state."""
+    """For each (name, codec, cast_sum, (inputs, outputs)): one layer of that shape (one bucket, so
+    the test's reference needs no bucket layout) trained 5 steps with the hook, recording every
+    reduction and this rank's residual after each step; then steps 3-4 again from a checkpoint of
+    the state after step 2 (model, optimizer, CompressionState.state_dict), in a fresh DDP and
+    state."""
     def run(steps, saved=None):
         torch.manual_seed(4321)  # identical initial replicas
-        model = nn.Linear(64, 50, bias=False)
+        model = nn.Linear(*shape, bias=False)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         state = CompressionState(codec, min_compress_numel=0, cast_sum=cast_sum)
         if saved is not None:
@@ -210,14 +211,14 @@ def cast_sums(rank, world, outdir, configs):
                 ckpt = pickle.loads(pickle.dumps({"model": model.state_dict(), "opt": opt.state_dict(),
                                                   "gradzip": state.state_dict()}))
             g = torch.Generator().manual_seed(1000 * step + rank)
-            x, y = torch.randn(8, 64, generator=g), torch.randn(8, 50, generator=g)
+            x, y = torch.randn(8, shape[0], generator=g), torch.randn(8, shape[1], generator=g)
             opt.zero_grad()
             ((ddp(x) - y) ** 2).mean().backward()
             opt.step()
             residuals.append(state.state_dict()["residuals"][0]["residual"])
         return records, residuals, model.weight.detach().clone(), ckpt
 
-    for name, codec, cast_sum in configs:
+    for name, codec, cast_sum, shape in configs:
         records, residuals, params, ckpt = run(range(5))
         *_, resumed, _ = run(range(3, 5), ckpt)
         torch.save({"records": records, "residuals": residuals, "params": params,

@@ -110,6 +110,37 @@ def test_nonfinite_stays_visible_and_residual_unpoisoned():
         assert torch.isfinite(r).all(), spec
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_guard_restores_after_any_nonfinite_value(bad):
+    """The non-finite guard's flag of a reduced bucket: one bad value anywhere (in a full group of
+    the CPU check's lanes, in its tail, in a non-contiguous or another dtype's tensor) voids the
+    step's updates; finite extremes (the largest float, subnormals, -0.0) do not."""
+    n = 37
+    extremes = torch.tensor([3.4028235e38, -3.4028235e38, 1e-45, -0.0])
+    for where in (0, 15, 16, 36):
+        for make in (lambda t: t, lambda t: t.repeat_interleave(2)[::2], lambda t: t.double()):
+            state = torch.arange(5.0)
+            guard = torch.classes.gradzip.NonfiniteGuard()
+            guard.save([state])
+            state.add_(1.0)
+            reduced = torch.ones(n)
+            reduced[:4] = extremes
+            guard.flag(make(reduced))
+            reduced[where] = bad
+            guard.flag(make(reduced))
+            guard.commit()
+            assert torch.equal(state, torch.arange(5.0)), (where, bad)
+    state = torch.arange(5.0)
+    guard = torch.classes.gradzip.NonfiniteGuard()
+    guard.save([state])
+    state.add_(1.0)
+    reduced = torch.ones(n)
+    reduced[:4] = extremes
+    guard.flag(reduced)
+    guard.commit()
+    assert torch.equal(state, torch.arange(5.0) + 1.0)
+
+
 def test_canonical_spec():
     assert gradzip.canonical_spec("int8") == gradzip.canonical_spec(gradzip.canonical_spec("int8"))
 

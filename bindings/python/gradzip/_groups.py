@@ -27,7 +27,7 @@ def require_same_config(description: str, group, device, who: str) -> None:
 
 
 def reducing_group(group, device):
-    """The group the C++ reduction runs on. CPU reductions run on a C++ thread of their own while
+    """The group the C++ reduction runs on. CPU reductions run on C++ threads of their own while
     the caller's thread issues collectives of its own on ``group`` (DDP's unused-parameter bitmap
     and buffer broadcasts, FSDP's all-gathers): a group of their own (same ranks, backend and
     timeout) keeps every group's calls in one order on all ranks. CUDA reductions are enqueued in
@@ -36,6 +36,16 @@ def reducing_group(group, device):
         return group
     return dist.new_group(dist.get_process_group_ranks(group), backend=dist.get_backend(group),
                           timeout=_timeout(group), use_local_synchronization=True)
+
+
+def gather_group_name(group, device, plan) -> str:
+    """The name of a second group for the all-gathers of a two-phase plan's CPU buckets, or "":
+    the C++ reduction's finishing thread issues them while its issuing thread starts the next
+    bucket's all-to-all, and a group of their own keeps both orders the same on every rank."""
+    if not plan.two_phase:
+        return ""
+    gather = reducing_group(group, device)
+    return "" if gather is group else gather.group_name
 
 
 def _timeout(group):

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from . import _ops  # noqa: F401  (loads the extension that defines torch.classes.gradzip)
-from ._groups import reducing_group, require_same_config
+from ._groups import gather_group_name, reducing_group, require_same_config
 from .collective import (CodecPlan, StateStore, TrafficStats, layout_exact, layout_numels,
                          layout_rows, param_offsets, run_simulated, run_simulated_lowrank,
                          shard_bounds)
@@ -346,12 +346,14 @@ class CompressionState(_ReducerState):
             group = self._group()
             require_same_config(self.config.describe(group.size()), group, device, "gradzip.ddp")
             name = reducing_group(group, device).group_name
+            plan, warm = self.config.plan, self.config.warmup_plan
             self._runtime = torch.classes.gradzip.CompressedAllreduce(
-                name, self.config.codec, self._guard, self.config.plan.cast_sum)
-            warm = self.config.warmup_plan
+                name, self.config.codec, self._guard, plan.cast_sum,
+                gather_group_name(group, device, plan))
             if warm is not None and self.step < self.config.warmup_steps:
                 self._warmup_runtime = torch.classes.gradzip.CompressedAllreduce(
-                    name, warm.spec, self._guard, warm.cast_sum)
+                    name, warm.spec, self._guard, warm.cast_sum,
+                    gather_group_name(group, device, warm))
             self._world, self._rank = group.size(), group.rank()
             self._drop_state_of_another_world()
         return self._runtime
@@ -390,8 +392,10 @@ class CompressionState(_ReducerState):
         compressed = cfg.compresses(self.step, n, self._world)
         plan = cfg.transport(self.step, n, self._world)
         self._stats.add(plan, numels, self._world, self._rank, rows, exact)
-        if self._guard is not None:
-            self._guard.save(_saved(st))  # before any update: an overflow step undoes all
+        if self._guard is not None and st is not None:
+            # Before any update (an overflow step undoes all): the moments the direction updates
+            # here; the C++ reduction saves the residuals and Q factors it updates itself.
+            self._guard.save(st.moments)
         cfg.apply_direction(x, st, compressed)
         if cfg.plan.lowrank_rank and compressed:
             fut = self._runtime_of_step().reduce_lowrank(index, bucket_view, x, numels, rows,

@@ -13,6 +13,21 @@ namespace {
 
 bool block_scaled(CodecKind k) { return k == CodecKind::int8 || k == CodecKind::sign; }
 
+// The casts, whose payload is the values themselves in a dtype the backends sum.
+bool summable(CodecKind k) {
+  return k == CodecKind::fp32 || k == CodecKind::fp16 || k == CodecKind::bf16;
+}
+
+// The torch dtype of a summable codec's payload.
+at::ScalarType payload_dtype(CodecKind k) {
+  return k == CodecKind::fp32 ? at::kFloat : k == CodecKind::fp16 ? at::kHalf : at::kBFloat16;
+}
+
+// Bytes of a message's payload (the header stays home).
+int64_t payload_bytes(const Codec& codec, int64_t n) {
+  return static_cast<int64_t>(codec.encoded_bytes(static_cast<size_t>(n)) - kHeaderBytes);
+}
+
 // The codec of the exact pieces: fp32 decodes to the very floats it was given.
 const Codec& fp32_codec() {
   static const Codec codec = Codec::parse("fp32");
@@ -86,12 +101,13 @@ BucketLayout::BucketLayout(const Codec& codec, int64_t world_, const std::vector
     n += m;
     ends.push_back(n);
   }
-  wire_sum = collective == Collective::allreduce && cast_sum == CastSum::wire &&
-             (codec.kind() == CodecKind::fp16 || codec.kind() == CodecKind::bf16);
+  wire_sum =
+      collective == Collective::allreduce && cast_sum == CastSum::wire && summable(codec.kind());
   two_phase = !wire_sum &&
               (collective == Collective::reduce_scatter || codec.kind() != CodecKind::topk);
   if (!two_phase) {
     slot = slot_bytes(codec, n);
+    if (wire_sum) summed_bytes = payload_bytes(codec, n);
     return;
   }
   TORCH_CHECK_VALUE(n >= world, "gradzip: a bucket of ", n, " elements cannot be sharded over ",
@@ -116,7 +132,7 @@ BucketLayout::BucketLayout(const Codec& codec, int64_t world_, const std::vector
 std::pair<int64_t, int64_t> BucketLayout::traffic(int64_t rank) const {
   if (world == 1) return {0, 0};
   if (wire_sum) {
-    const int64_t bytes = ring_allreduce_traffic(2 * n, world);  // the header is not sent
+    const int64_t bytes = ring_allreduce_traffic(summed_bytes, world);
     return {bytes, bytes};
   }
   if (!two_phase) return {(world - 1) * slot, (world - 1) * slot};
@@ -178,9 +194,9 @@ BucketReduction::BucketReduction(const Codec& codec, int64_t world, int64_t rank
   }
   gather_in = at::zeros({layout_.slot}, bytes);
   gathered = at::empty({layout_.wire_sum ? 0 : w * layout_.slot}, bytes);
-  if (layout_.wire_sum)  // a cast message: the header, then n 16-bit values
-    payload = gather_in.narrow(0, static_cast<int64_t>(kHeaderBytes), 2 * layout_.n)
-                  .view(codec.kind() == CodecKind::fp16 ? at::kHalf : at::kBFloat16);
+  if (layout_.wire_sum)  // a cast message: the header, then the n values in the wire dtype
+    payload = gather_in.narrow(0, static_cast<int64_t>(kHeaderBytes), layout_.summed_bytes)
+                  .view(payload_dtype(codec.kind()));
   workspace_ = at::empty({static_cast<int64_t>(ws)}, bytes);
   if (device_.is_cuda()) decode_status = at::zeros({static_cast<int64_t>(16 * decodes)}, bytes);
 }

@@ -2,18 +2,19 @@
 // between its collectives, so that a process group (compressed_allreduce.hpp) and W ranks simulated
 // in one process (gradzip.ddp.SimulatedWorkers) run exactly the same arithmetic on the same bytes.
 //
-// The casts (fp16, bf16) by default (CastSum::wire):
+// The casts (fp32, fp16, bf16) by default (CastSum::wire):
 //   encode        the whole bucket is encoded as one message (prescale 1/W, error feedback into
 //                 `residual`) into gather_in;
-//   all-reduce    the message's 16-bit values (`payload`, a float16/bfloat16 view of gather_in
+//   all-reduce    the message's values (`payload`, a float32/float16/bfloat16 view of gather_in
 //                 after the header) are summed in place by the backend: one collective, the
-//                 bytes of a 16-bit ring all-reduce (2 (W-1)/W of 2n bytes per rank each way);
+//                 bytes of a ring all-reduce in the wire dtype (2 (W-1)/W of 4n or 2n bytes per
+//                 rank each way; fp32's are plain DDP's);
 //   decode        every rank decodes the summed message.
 // Every rank gets the backend's result, so replicas stay identical; but the sum is rounded to the
 // wire dtype in the backend's order (which differs between backends and may lose precision or
 // overflow as W grows), and no rank sees an fp32 sum, so there is no owner residual.
 //
-// Two-phase codecs (int8, sign, fp32, and the casts with CastSum::fp32):
+// Two-phase codecs (int8, sign, and the casts with CastSum::fp32):
 //   encode        the bucket is cut into W shards; every shard is encoded (prescale 1/W, error
 //                 feedback into `residual`) into send, shard j for rank j;
 //   all-to-all    send -> recv: rank r receives the W encodings of its shard, in rank order;
@@ -22,8 +23,8 @@
 //   all-gather    gather_in -> gathered (W fixed-size slots);
 //   decode        every rank decodes every shard.
 // For the casts this buys fp32 accumulation in a fixed order: the sum neither loses precision nor
-// overflows as W grows, is bitwise identical on every backend, and equals an in-process
-// simulation (gradzip.ddp.SimulatedWorkers) bit for bit.
+// overflows as W grows (fp16/bf16), is bitwise identical on every backend, and equals an
+// in-process simulation (gradzip.ddp.SimulatedWorkers) bit for bit.
 // Top-k: encode the whole bucket (prescale 1/W, error feedback) into gather_in; all-gather;
 // decode-add the W payloads in rank order into zeros.
 //
@@ -62,8 +63,9 @@ constexpr int64_t kMinPiece = 64;
 // What the collective leaves on each rank: the average of the whole bucket, or its shard of the sum.
 enum class Collective { allreduce, reduce_scatter };
 
-// Where the casts' all-reduce sums: in the wire dtype, by the backend's one all-reduce, or in fp32
-// by the two-phase exchange. The reduce-scatter always sums in fp32.
+// Where the casts' (fp32, fp16, bf16) all-reduce sums: in the wire dtype, by the backend's one
+// all-reduce, or in fp32 in rank order by the two-phase exchange. The reduce-scatter always sums in
+// fp32.
 enum class CastSum { wire, fp32 };
 // "wire" or "fp32"; anything else is a ValueError.
 CastSum parse_cast_sum(const std::string& name);
@@ -84,7 +86,7 @@ struct BucketLayout {
   int64_t world = 1;
   int64_t n = 0;
   Collective collective = Collective::allreduce;
-  bool wire_sum = false;                     // one all-reduce of the 16-bit payload (the casts)
+  bool wire_sum = false;                     // one all-reduce of the payload (the casts)
   bool two_phase = true;                     // shards exchanged by all-to-all (else wire_sum or
                                              // top-k's all-gather)
   std::vector<int64_t> starts;               // W + 1 shard offsets (two-phase)
@@ -92,6 +94,7 @@ struct BucketLayout {
   std::vector<int64_t> shard_bytes;          // per shard, its messages' bytes
   int64_t slot = 0;                          // bytes of one all-gather contribution (all-reduce),
                                              // or of the one message (wire_sum)
+  int64_t summed_bytes = 0;                  // wire_sum: the payload's, all-reduced (no header)
 
   int64_t shard_size(int64_t rank) const { return starts[rank + 1] - starts[rank]; }
   // Bytes one rank sends and receives for this bucket (an uncompressed bucket: see fp32_traffic).

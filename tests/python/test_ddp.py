@@ -28,8 +28,8 @@ def check_replicas_and_reference(runs, codec, world, min_numel=32, warmup=0, opt
     W >= 3 is not the simulation's: they agree to rounding, and FrozenVarianceAdamW's one state,
     updated from those averages, carries the last-bit difference on, so with it the compressed
     steps are compared bit for bit at W = 2 only (where a sum of two is the same either way).
-    fp16/bf16 summed on the wire by Gloo: to the wire dtype's rounding of the W-term sum
-    (test_cast_allreduce.py has their float64 reference)."""
+    fp32/fp16/bf16 summed on the wire by Gloo: to the wire dtype's rounding of the W-term sum
+    (test_cast_allreduce.py has the 16-bit casts' float64 reference)."""
     for r in range(1, world):
         for a, b in zip(runs[0]["params"], runs[r]["params"]):
             assert torch.equal(a, b), f"{codec}: replica {r} differs from replica 0"
@@ -60,7 +60,7 @@ def check_replicas_and_reference(runs, codec, world, min_numel=32, warmup=0, opt
             pass  # the replicas' equality above is what holds
         elif sim.config.plan.wire_sum:
             # |payload| <= (1 + u) |g| / W; each sum, Gloo's and the simulation's, within (W-1) u
-            u = 2.0 ** -11 if codec == "fp16" else 2.0 ** -8
+            u = {"fp32": 2.0 ** -24, "fp16": 2.0 ** -11, "bf16": 2.0 ** -8}[codec]
             mag = sum(recs[r][k][1].double().abs() for r in range(world)) / world
             err = (out0.double() - expected.double()).abs()
             assert (err <= 2.1 * (world - 1) * u * mag + world * 2.0 ** -24).all(), codec
@@ -78,7 +78,7 @@ TRAIN = [(f"{codec.replace(':', '_')}_{int(static)}", {"codec": codec, "static_g
          for codec in CODECS for static in (False, True)]
 TRAIN.append(("warmup", {"codec": "int8", "warmup": 2, "steps": 4}))  # then compression starts
 TRAIN += [(f"{codec}_fp32sum", {"codec": codec, "cast_sum": "fp32", "steps": 4})
-          for codec in ("fp16", "bf16")]  # the two-phase sum: equal to the simulation bit for bit
+          for codec in ("fp32", "fp16", "bf16")]  # the two-phase sum: equal to the simulation bit for bit
 # biases and the 40x7 weight in fp32 beside compressed weights
 TRAIN += [(f"{codec.split(':')[0]}_uncompressed", {"codec": codec, "uncompressed_numel": 300,
                                                     "steps": 4})

@@ -91,7 +91,7 @@ void check_casts_and_fallback(const c10::intrusive_ptr<c10d::ProcessGroup>& grou
   Values mean(kN);
   for (int64_t i = 0; i < kN; ++i) mean[i] = (g0[i] + g1[i]) / 2;
 
-  for (const bool compress : {false, true}) {  // a plain all-reduce, and fp32's two-phase collective
+  for (const bool compress : {false, true}) {  // a plain all-reduce, and fp32's one of its payload
     const auto [out, residual] = reduce_once(group, "fp32", compress);
     double err = 0;
     for (int64_t i = 0; i < kN; ++i) err = std::max(err, std::abs(out[i] - mean[i]));

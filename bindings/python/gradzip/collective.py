@@ -50,13 +50,14 @@ class CodecPlan:
 
     @property
     def wire_sum(self) -> bool:
-        """One all-reduce (SUM) of the 16-bit payload: fp16/bf16 with cast_sum "wire"."""
+        """One all-reduce (SUM) of the payload in the wire dtype: fp32/fp16/bf16 with cast_sum
+        "wire"."""
         return wire.sums_on_wire(self.kind, self.cast_sum)
 
     @property
     def two_phase(self) -> bool:
-        """All-to-all + all-gather with an fp32 sum (int8, sign, fp32, and the casts with
-        cast_sum "fp32"; top-k all-gathers)."""
+        """All-to-all + all-gather with an fp32 sum (int8, sign, and the casts with cast_sum
+        "fp32"; top-k all-gathers)."""
         return self.kind not in ("topk", "lowrank") and not self.wire_sum
 
     @property

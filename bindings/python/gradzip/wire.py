@@ -28,16 +28,17 @@ MIN_COMPRESS_NUMEL = 4096
 # they send some tensors uncompressed (``uncompressed_numel``).
 PIECEWISE_KINDS = ("int8", "sign")
 
-CAST_SUMS = ("wire", "fp32")  # CompressionState(cast_sum=...): where fp16/bf16 buckets are summed
+CAST_SUMS = ("wire", "fp32")  # CompressionState(cast_sum=...): where fp32/fp16/bf16 buckets are summed
 
 
 def sums_on_wire(kind: str, cast_sum: str) -> bool:
-    """Whether an all-reduced bucket of this codec kind is summed by one all-reduce of its 16-bit
-    payload (fp16/bf16 with cast_sum "wire"), rather than by the two-phase fp32 sum or top-k's
-    all-gather (bindings/torch/bucket_reduction.hpp, BucketLayout::wire_sum)."""
+    """Whether an all-reduced bucket of this codec kind is summed by one all-reduce of its payload
+    in the wire dtype (the casts fp32/fp16/bf16 with cast_sum "wire"), rather than by the
+    two-phase fp32 sum or top-k's all-gather (bindings/torch/bucket_reduction.hpp,
+    BucketLayout::wire_sum)."""
     if cast_sum not in CAST_SUMS:
         raise ValueError(f"gradzip: cast_sum must be one of {CAST_SUMS}, got {cast_sum!r}")
-    return kind in ("fp16", "bf16") and cast_sum == "wire"
+    return kind in ("fp32", "fp16", "bf16") and cast_sum == "wire"
 
 
 def valid_block(block: int) -> bool:

@@ -51,8 +51,8 @@ class Codec:
     powersgd[:RANK].
     collective: allreduce (PyTorch's hooks) | cast_allreduce | two_phase | allgather | powersgd |
     lowrank.
-    cast_sum: gradzip's fp16/bf16 as ``CompressionState(cast_sum=...)`` ("wire": cast_allreduce,
-    one 16-bit all-reduce of the payload; "fp32": two_phase). uncompressed_numel: as
+    cast_sum: gradzip's fp32/fp16/bf16 as ``CompressionState(cast_sum=...)`` ("wire":
+    cast_allreduce, one all-reduce of the payload in the wire dtype; "fp32": two_phase). uncompressed_numel: as
     ``CompressionState(uncompressed_numel=...)``, the tensors int8/sign send in fp32."""
 
     kind: str
@@ -263,7 +263,7 @@ def codec_compute_s(codec: Codec, n: int, p: int, speed: CodecSpeed | None) -> f
         return 0.0  # the low-rank matmuls are not modelled
     if codec.kind == "fp32" and codec.collective == "allreduce":
         return 0.0  # DDP's own all-reduce: no codec
-    if codec.collective in ("allreduce", "cast_allreduce"):  # 16-bit: cast down, cast back
+    if codec.collective in ("allreduce", "cast_allreduce"):  # casts: encode, decode
         return n / speed.encode_ef + n / speed.decode_add
     if codec.collective == "two_phase":
         shard = wire.ceil_div(n, p)
@@ -318,6 +318,11 @@ def powersgd_plan(shapes: Iterable[Shape], rank: int, min_compression_rate: floa
     return plain, p_elems, q_elems
 
 
+def _cast_bytes(codec: Codec) -> int:
+    """Bytes per element a cast (an all-reduce in its dtype) sends: fp32's 4, fp16/bf16's 2."""
+    return 4 if codec.kind == "fp32" else 2
+
+
 def bucket_cost(codec: Codec, shapes: Sequence[Shape], p: int, link: Link,
                 speed: CodecSpeed | None = None,
                 min_compress_numel: int = wire.MIN_COMPRESS_NUMEL) -> Cost:
@@ -325,11 +330,11 @@ def bucket_cost(codec: Codec, shapes: Sequence[Shape], p: int, link: Link,
     n = sum(numel(s) for s in shapes)
     c = codec.collective
     if c == "allreduce":
-        comm = ring_allreduce((4 if codec.kind == "fp32" else 2) * n, p, link)
+        comm = ring_allreduce(_cast_bytes(codec) * n, p, link)
     elif n < max(min_compress_numel, p, 1):  # gradzip sends small buckets uncompressed
         return ring_allreduce(4 * n, p, link)
-    elif c == "cast_allreduce":  # the payload's 16-bit values; the header stays home
-        comm = ring_allreduce(2 * n, p, link)
+    elif c == "cast_allreduce":  # the payload's values in the wire dtype; the header stays home
+        comm = ring_allreduce(_cast_bytes(codec) * n, p, link)
     elif c == "two_phase":
         exact = codec.uncompressed_elements(shapes)
         comm = two_phase(codec, n, p, link, exact)

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from gradzip.ddp import SimulatedWorkers
+from gradzip.simulation import SimulatedWorkers
 from gradzip.optim import CompressedSGD, FrozenVarianceAdamW
 
 WORKERS = 4

@@ -9,7 +9,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gradzip.ddp import CompressionState, SimulatedWorkers, compress_hook
+from gradzip.ddp import CompressionState, compress_hook
+from gradzip.simulation import SimulatedWorkers
 
 # odd shapes: compressed matrices (conv-like 4-D, 3-D, rectangular) and tensors sent uncompressed
 # (1-D, a row vector, and matrices where two rank-2 factors would hold half of their elements)

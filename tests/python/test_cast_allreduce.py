@@ -18,8 +18,9 @@ import torch
 import ddp_scenarios as sc
 from dist_util import run_ranks
 from gradzip import costmodel as cm
-from gradzip.collective import CodecPlan, traffic
-from gradzip.ddp import CompressionState, SimulatedWorkers
+from gradzip.plan import CodecPlan, traffic
+from gradzip.ddp import CompressionState
+from gradzip.simulation import SimulatedWorkers
 
 F64 = torch.float64
 WORLD = 3

@@ -72,7 +72,7 @@ def test_buckets_follow_ddp_order_and_cap():
 
 
 def test_bucketed_reduction_matches_per_bucket_simulation():
-    from gradzip.ddp import SimulatedWorkers
+    from gradzip.simulation import SimulatedWorkers
 
     numels = [3000, 5000, 7001, 100]
     gs = [torch.randn(sum(numels), generator=torch.Generator().manual_seed(r)) for r in range(3)]

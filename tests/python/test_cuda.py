@@ -7,9 +7,9 @@ import torch
 import gradzip
 import functools
 
-from gradzip import ddp
+from gradzip import simulation
 
-SimulatedWorkers = functools.partial(ddp.SimulatedWorkers, min_compress_numel=0)
+SimulatedWorkers = functools.partial(simulation.SimulatedWorkers, min_compress_numel=0)
 
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and gradzip.cuda_available()),
                                 reason="needs a GPU and a CUDA build of gradzip")

@@ -11,7 +11,7 @@ import torch
 
 import ddp_scenarios as sc
 from dist_util import run_ranks
-from gradzip.ddp import SimulatedWorkers
+from gradzip.simulation import SimulatedWorkers
 
 CODECS = ["fp32", "fp16", "bf16", "int8", "sign:block=64", "topk:0.1", "topk:0.05:values=fp16"]
 

@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 
 from dist_util import run_ranks
-from gradzip.ddp import CompressionState, SimulatedWorkers, compress_hook
+from gradzip.ddp import CompressionState, compress_hook
+from gradzip.simulation import SimulatedWorkers
 from gradzip.optim import FrozenVarianceAdamW
 
 

@@ -14,7 +14,7 @@ import fsdp_scenarios as sc
 import lowrank_scenarios as lr
 from dist_util import run_ranks
 from gradzip.costmodel import Codec, Link, bucket_cost
-from gradzip.ddp import SimulatedWorkers
+from gradzip.simulation import SimulatedWorkers
 from gradzip.fsdp import FSDPCompressionState
 from test_lowrank import reference
 

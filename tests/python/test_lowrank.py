@@ -14,7 +14,8 @@ import torch
 import lowrank_scenarios as sc
 from dist_util import run_ranks
 from gradzip import _ops
-from gradzip.ddp import CompressionState, SimulatedWorkers
+from gradzip.ddp import CompressionState
+from gradzip.simulation import SimulatedWorkers
 
 STEPS = 4
 

@@ -42,7 +42,7 @@ import math
 import pytest
 import torch
 
-from gradzip.ddp import SimulatedWorkers
+from gradzip.simulation import SimulatedWorkers
 
 F64 = torch.float64
 U32 = 2.0 ** -24  # unit roundoff of fp32

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 import gradzip
-from gradzip.collective import shard_bounds, traffic, CodecPlan
-from gradzip import ddp, wire
+from gradzip.plan import shard_bounds, traffic, CodecPlan
+from gradzip import simulation, wire
 from gradzip.ddp import CompressionState
 
 # every bucket compressed, however small (the default leaves buckets under 4096 elements alone)
-SimulatedWorkers = functools.partial(ddp.SimulatedWorkers, min_compress_numel=0)
+SimulatedWorkers = functools.partial(simulation.SimulatedWorkers, min_compress_numel=0)
 
 LOSSY = ["fp16", "bf16", "int8", "sign", "topk:0.1"]
 

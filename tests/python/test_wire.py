@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import gradzip
-from gradzip import _ops, collective, wire
+from gradzip import _ops, plan, wire
 from gradzip import costmodel as cm
 
 SPECS = ["fp32", "fp16", "bf16", "int8", "int8:block=32", "int8:block=65536", "sign",
@@ -79,7 +79,7 @@ def test_block_rule_agrees(block):
 @pytest.mark.parametrize("world", [2, 3, 8])
 def test_message_slots_agree_with_the_all_reduce(spec, world):
     """The all-reduce's bytes (C++ BucketLayout) follow from gradzip.wire's message slots: every
-    message starts on a 16-byte boundary, the shards are collective.shard_bounds. (fp16 with its
+    message starts on a 16-byte boundary, the shards are plan.shard_bounds. (fp16 with its
     two-phase fp32 sum; its default one all-reduce: test_cast_allreduce.py.)"""
     for n in [s for s in SIZES if world <= s <= 1_000_003]:
         slot = lambda m: wire.message_slot_bytes(gradzip.encoded_bytes(m, spec))  # noqa: E731
@@ -88,7 +88,7 @@ def test_message_slots_agree_with_the_all_reduce(spec, world):
             if spec.startswith("topk"):
                 assert sent == received == (world - 1) * slot(n), (spec, n)
                 continue
-            b = collective.shard_bounds(n, world)
+            b = plan.shard_bounds(n, world)
             shard = [slot(b[j + 1] - b[j]) for j in range(world)]
             biggest = max(shard)
             assert sent == sum(shard) - shard[rank] + (world - 1) * biggest, (spec, n, rank)

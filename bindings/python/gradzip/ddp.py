@@ -6,219 +6,37 @@
 A drop-in for PyTorch's hooks (``default_hooks.allreduce_hook``, ``powerSGD_hook``): the hook
 returns a Future holding the bucket's averaged gradient (written in place into ``bucket.buffer()``).
 The reduction is C++ (``torch.classes.gradzip.CompressedAllreduce`` over the state's
-``c10d::ProcessGroup``, see bindings/torch/bucket_reduction.hpp): one all-reduce (SUM) of the
-16-bit payload for fp16/bf16 (``cast_sum="wire"``, the default), two-phase all-to-all /
-all-gather with an fp32 sum for int8/sign/fp32 and for the casts with ``cast_sum="fp32"``,
-all-gather of fixed-size payloads for top-k, two fp32 all-reduces of low-rank factors for
-``lowrank:R`` (bindings/torch/lowrank_reduction.hpp). This module keeps the policy (warm-up, small buckets,
-the optimizer direction) and the state (:mod:`gradzip.collective`).
-
-:class:`SimulatedWorkers` runs the same C++ phases for W workers in one process, the collectives
-done in memory: its result equals the multi-rank hook's bit for bit, except where the backend
-sums: the casts' one all-reduce (``cast_sum="wire"``; equal to the wire dtype's rounding of a
-W-term sum, see collective.run_simulated) and warm-up and small buckets (a plain fp32 all-reduce;
-equal to fp32 rounding).
+``c10d::ProcessGroup``, see bindings/torch/bucket_reduction.hpp): one all-reduce (SUM) in the wire
+dtype for fp32/fp16/bf16 (``cast_sum="wire"``, the default), two-phase all-to-all / all-gather
+with an fp32 sum for int8/sign and for the casts with ``cast_sum="fp32"``, all-gather of
+fixed-size payloads for top-k, two fp32 all-reduces of low-rank factors for ``lowrank:R``
+(bindings/torch/lowrank_reduction.hpp). This module keeps the hook, its state object and its
+resume; the policy is :mod:`gradzip.reducer`'s, the per-bucket state :mod:`gradzip.bucket_state`'s,
+and :class:`gradzip.simulation.SimulatedWorkers` runs the same C++ phases for W workers in one
+process.
 """
 
 import logging
-import math
 import os
 import warnings
-from typing import List, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from . import _ops  # noqa: F401  (loads the extension that defines torch.classes.gradzip)
 from ._groups import gather_group_name, reducing_group, require_same_config
-from .collective import (CodecPlan, StateStore, TrafficStats, layout_exact, layout_numels,
-                         layout_rows, param_offsets, run_simulated, run_simulated_lowrank,
-                         shard_bounds)
+from .bucket_state import StateStore, layout_numels, layout_rows, param_offsets
+from .reducer import STATE_VERSION, ReducerConfig, ReducerState
 from .wire import MIN_COMPRESS_NUMEL
 
-__all__ = ["CompressionState", "compress_hook", "SimulatedWorkers"]
+__all__ = ["CompressionState", "compress_hook"]
 
 logger = logging.getLogger(__name__)
 
-# 3: state kept per bucket but described per parameter (key and shape), so that it survives a
-#    re-bucketing; owner residuals carry their shard offset.
-_STATE_VERSION = 3
 
 
-class _Config:
-    """What every rank must agree on, and the per-step policy shared by the hook, the
-    simulation and gradzip.fsdp: warm-up steps and small buckets go uncompressed."""
-
-    def __init__(self, codec: str, error_feedback: bool, warmup_steps: int, min_compress_numel: int,
-                 guard_nonfinite: bool, optimizer=None, cast_sum: Optional[str] = None,
-                 warmup_codec: Optional[str] = None, uncompressed_numel: int = 0):
-        self.direction = None
-        if optimizer is not None:
-            direction = getattr(optimizer, "direction", None)
-            if direction is None or not hasattr(direction, "apply_"):
-                raise TypeError("gradzip: optimizer must be a gradzip.optim optimizer "
-                                f"(FrozenVarianceAdamW, CompressedSGD), got "
-                                f"{type(optimizer).__name__}")
-            self.direction = direction
-        if warmup_steps < 0 or min_compress_numel < 0 or uncompressed_numel < 0:
-            raise ValueError("gradzip: warmup_steps, min_compress_numel and uncompressed_numel "
-                             "must be >= 0")
-        if self.direction is not None and self.direction.needs_warmup and warmup_steps < 1:
-            raise ValueError(f"gradzip: {type(optimizer).__name__} measures the variance on the "
-                             "uncompressed warm-up steps before it freezes it: warmup_steps must "
-                             "be >= 1 (about the learning rate's warm-up)")
-        self.error_feedback = bool(error_feedback)
-        # The owner residual exists only where one rank forms the sum in fp32 (the two-phase path).
-        if cast_sum is None:
-            cast_sum = "fp32" if self.wants_owner_residual else "wire"
-        self.plan = CodecPlan.parse(codec, cast_sum)
-        if self.wants_owner_residual and self.plan.wire_sum:
-            raise ValueError(f"gradzip: {type(optimizer).__name__} with error feedback keeps the "
-                             f"residual of the summed {self.plan.kind}, which needs the two-phase "
-                             "fp32 sum: cast_sum='wire' sums in the wire dtype inside the backend; "
-                             "use cast_sum='fp32' (or leave it unset)")
-        self.warmup_steps = int(warmup_steps)
-        # The warm-up's transport: the gradient itself (no error feedback: the warm-up is there to
-        # see exact averages, and a 16-bit rounding of the average is far below its noise), summed
-        # as the codec sums it; None: the plain fp32 all-reduce.
-        self.warmup_plan = None if warmup_codec is None else CodecPlan.parse(warmup_codec)
-        if self.warmup_plan is not None and self.warmup_steps < 1:
-            raise ValueError(f"gradzip: warmup_codec={warmup_codec!r} needs warmup_steps >= 1")
-        if self.warmup_plan is not None and self.warmup_plan.lowrank_rank:
-            raise ValueError("gradzip: warmup_codec must encode the gradient itself (fp16, bf16, "
-                             f"int8, ...), not {self.warmup_plan.spec}")
-        self.min_compress_numel = int(min_compress_numel)
-        self.uncompressed_numel = int(uncompressed_numel)
-        self.guard_nonfinite = bool(guard_nonfinite)
-
-    @property
-    def codec(self) -> str:
-        return self.plan.spec
-
-    def describe(self, world: int) -> str:
-        return (f"codec={self.plan.spec} cast_sum={self.plan.cast_sum} "
-                f"error_feedback={int(self.error_feedback)} "
-                f"warmup_steps={self.warmup_steps} warmup_codec="
-                f"{'fp32' if self.warmup_plan is None else self.warmup_plan.spec} "
-                f"min_compress_numel={self.min_compress_numel} "
-                f"uncompressed_numel={self.uncompressed_numel} "
-                f"guard_nonfinite={int(self.guard_nonfinite)} world={world} direction="
-                f"{'none' if self.direction is None else self.direction.describe()}")
-
-    def compresses(self, step: int, n: int, world: int) -> bool:
-        """Past the warm-up and big enough: the codec carries the bucket, with error feedback and
-        the optimizer's compressed direction."""
-        return world > 1 and step >= self.warmup_steps and self._big_enough(n, world)
-
-    def _big_enough(self, n: int, world: int) -> bool:
-        # n >= world: every shard of a two-phase bucket holds at least one element.
-        return n >= max(self.min_compress_numel, world, 1)
-
-    def transport(self, step: int, n: int, world: int) -> Optional[CodecPlan]:
-        """The codec that carries a bucket of ``n`` elements at ``step``: the codec once
-        compressing, the warm-up codec (if any) during the warm-up, else None (an fp32 all-reduce
-        of the average)."""
-        if self.compresses(step, n, world):
-            return self.plan
-        if self.warmup_plan is not None and world > 1 and self._big_enough(n, world):
-            return self.warmup_plan
-        return None
-
-    def exact(self, layout) -> List[bool]:
-        """Per tensor of the bucket (collective.layout_numels), whether it travels in fp32."""
-        return layout_exact(layout, self.uncompressed_numel)
-
-    @property
-    def wants_owner_residual(self) -> bool:
-        """The owner's second residual on the reduced shard of a two-phase bucket: measured to help
-        only where an optimizer direction is compressed (on raw gradients it compounds the two
-        errors)."""
-        return self.error_feedback and self.direction is not None
-
-    @property
-    def keeps_state(self) -> bool:
-        return self.error_feedback or self.direction is not None or self.plan.lowrank_rank > 0
-
-    def new_guard(self):
-        """A C++ NonfiniteGuard where there is state to protect, else None."""
-        return torch.classes.gradzip.NonfiniteGuard() if self.guard_nonfinite and self.keeps_state \
-            else None
-
-    def bucket_state(self, store: StateStore, index: int, layout, world: int, rank: int, device):
-        """This rank's state of one bucket, or None when it keeps none."""
-        moments = 0 if self.direction is None else self.direction.buffers
-        q_rank = self.plan.lowrank_rank  # lowrank keeps its Q factors with or without feedback
-        if not self.error_feedback and not moments and not q_rank:
-            return None
-        owner = None
-        if self.wants_owner_residual and self.plan.two_phase:
-            bounds = shard_bounds(layout[0], world)
-            owner = (bounds[rank], bounds[rank + 1] - bounds[rank])
-        return store.get(index, layout, self.error_feedback, owner, moments, device, q_rank)
-
-    def apply_direction(self, x: torch.Tensor, st, compressed: bool) -> None:
-        """Turns this rank's gradient ``x`` into what it sends for the optimizer, in place."""
-        if self.direction is not None:
-            st.updates += 1
-            self.direction.apply_(x, st.moments, st.updates, self.warmup_steps, compressed)
-
-    def finish_direction(self, avg: torch.Tensor, st, compressed: bool) -> None:
-        """Turns the average ``avg`` into what the optimizer applies, in place (after
-        apply_direction of the same step)."""
-        if self.direction is not None:
-            self.direction.finish_(avg, st.moments, st.updates, self.warmup_steps, compressed)
-
-
-def _saved(st) -> list:
-    return [] if st is None else [t for t in st.tensors() if t is not None]
-
-
-class _ReducerState:
-    """What the DDP hook's and FSDP's states share: the settings, the step count, the traffic
-    counters, the C++ reduction (built at the first call), the non-finite guard, settling a
-    finished step, and pickling without the C++ objects."""
-
-    def __init__(self, config: _Config):
-        self.config = config
-        self.step = 0
-        self._stats = TrafficStats()
-        self._runtime = None  # torch.classes.gradzip.CompressedAllreduce, built at the first call
-        self._guard = config.new_guard()
-        self._guard_step = 0  # the step whose residual updates the guard holds
-
-    @property
-    def codec(self) -> str:
-        return self.config.codec
-
-    @property
-    def stats(self) -> dict:
-        return dict(self._stats.last)
-
-    def _commit(self) -> None:
-        """Settles the finished step (all of its reductions are complete: DDP waited for their
-        futures before the next forward, FSDP's reduce-scatter is synchronous): restores the
-        residuals if a reduced piece was not finite, and raises a decode error the device has
-        reported."""
-        if self._guard is not None:
-            self._guard.commit()
-        self._guard_step = self.step
-        if self._runtime is not None:
-            self._runtime.check_errors()
-
-    def __getstate__(self):
-        self._commit()
-        d = dict(self.__dict__)
-        d["_runtime"] = None
-        d["_guard"] = None  # C++ objects; the guard holds nothing between steps after a commit
-        return d
-
-    def __setstate__(self, d):
-        self.__dict__.update(d)
-        self._guard = self.config.new_guard()
-        self._guard_step = self.step
-
-
-class CompressionState(_ReducerState):
+class CompressionState(ReducerState):
     """State of :func:`compress_hook`, one per DDP model (like PowerSGDState).
 
     Args:
@@ -252,7 +70,7 @@ class CompressionState(_ReducerState):
             in the backend's order (replicas stay identical: every rank gets the backend's
             result), and no owner residual exists. ``"fp32"``: the two-phase exchange (all-to-all,
             fp32 sum by each shard's owner in rank order, all-gather): fp32 accumulation in a fixed
-            order, bitwise identical on every backend and equal to :class:`SimulatedWorkers` bit
+            order, bitwise identical on every backend and equal to :class:`gradzip.simulation.SimulatedWorkers` bit
             for bit. None (default): ``"wire"``, or ``"fp32"`` with ``optimizer`` and error
             feedback, whose owner residual needs the fp32 sum (``"wire"`` there is a ValueError).
             Other codecs are not affected.
@@ -288,7 +106,7 @@ class CompressionState(_ReducerState):
                  warmup_steps: int = 0, min_compress_numel: int = MIN_COMPRESS_NUMEL,
                  guard_nonfinite: bool = True, optimizer=None, cast_sum: Optional[str] = None,
                  warmup_codec: Optional[str] = None, uncompressed_numel: int = 0):
-        super().__init__(_Config(codec, error_feedback, warmup_steps, min_compress_numel,
+        super().__init__(ReducerConfig(codec, error_feedback, warmup_steps, min_compress_numel,
                                  guard_nonfinite, optimizer, cast_sum, warmup_codec,
                                  uncompressed_numel))
         self.process_group = process_group
@@ -304,14 +122,14 @@ class CompressionState(_ReducerState):
     # -- public ---------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         self._commit()
-        return {"version": _STATE_VERSION, "codec": self.config.codec, "step": self.step,
+        return {"version": STATE_VERSION, "codec": self.config.codec, "step": self.step,
                 "error_feedback": self.config.error_feedback, "world_size": self._world,
                 "residuals": self._ef.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("version") != _STATE_VERSION:
+        if state.get("version") != STATE_VERSION:
             raise ValueError(f"gradzip: unsupported CompressionState version {state.get('version')}"
-                             f" (this gradzip reads version {_STATE_VERSION})")
+                             f" (this gradzip reads version {STATE_VERSION})")
         if state["codec"] != self.config.codec:
             raise ValueError(f"gradzip: checkpoint was saved with codec {state['codec']!r}, "
                              f"this state uses {self.config.codec!r}")
@@ -516,160 +334,3 @@ def _reduce_as_saved(state, buf, layout, cover):
         return [buf]
 
     return torch.futures.collect_all(futs).then(scatter)
-
-
-class SimulatedWorkers:
-    """W workers in one process, each with its own error-feedback state, reduced with exactly the
-    arithmetic of :func:`compress_hook` (the same C++ phases; the collectives done in memory).
-
-        sim = SimulatedWorkers("int8", world_size=4)
-        avg = sim.reduce([g0, g1, g2, g3])   # what every rank's bucket holds after the hook
-
-    Each call reduces one bucket (``bucket_index``, default 0); ``is_last=True`` (the default) ends
-    the step, as DDP's last bucket does: the step count advances, ``stats`` is updated and, with
-    ``guard_nonfinite``, the residual updates of the step are kept or (if any bucket of the step was
-    not finite) undone. Compressed buckets equal the multi-rank hook bit for bit where gradzip sums
-    (every codec, and fp16/bf16 with ``cast_sum="fp32"``). fp16/bf16 with ``cast_sum="wire"`` (the
-    default) are summed by the backend in the wire dtype, in its own order: simulated here as the
-    fp32 sum in rank order rounded once to the wire dtype, equal to the hook to the wire dtype's
-    rounding of a W-term sum (the residuals equal it bit for bit). Warm-up steps and buckets below
-    ``min_compress_numel`` (a plain fp32 all-reduce on real ranks, whose summation order is the
-    backend's) are summed here in rank order of ``g / W``: equal to fp32 rounding. ``lowrank:R``
-    (give the tensors' ``shapes=``) sums its two all-reduces in rank order: equal to the hook bit
-    for bit at W = 2, to fp32 rounding above.
-    """
-
-    def __init__(self, codec: str, world_size: int, error_feedback: bool = True,
-                 warmup_steps: int = 0, min_compress_numel: int = MIN_COMPRESS_NUMEL,
-                 guard_nonfinite: bool = True, optimizer=None, cast_sum: Optional[str] = None,
-                 warmup_codec: Optional[str] = None, uncompressed_numel: int = 0):
-        if int(world_size) < 1:
-            raise ValueError(f"gradzip: world_size must be >= 1, got {world_size}")
-        self.config = _Config(codec, error_feedback, warmup_steps, min_compress_numel, guard_nonfinite,
-                              optimizer, cast_sum, warmup_codec, uncompressed_numel)
-        self.world_size = int(world_size)
-        self.step = 0
-        self._ef = [StateStore() for _ in range(self.world_size)]
-        self._stats = TrafficStats()
-        self._guards = [self.config.new_guard() for _ in range(self.world_size)]
-        self._reductions = {}  # (bucket_index, numels, exact, device) -> a BucketReduction per rank
-        if optimizer is not None:
-            optimizer.attached = True
-
-    @property
-    def codec(self) -> str:
-        return self.config.codec
-
-    @property
-    def stats(self) -> dict:
-        """Rank 0's traffic in the last step, as ``CompressionState.stats``."""
-        return dict(self._stats.last)
-
-    def residuals(self, rank: int = 0) -> List[torch.Tensor]:
-        """The error-feedback residuals a worker holds (worker and owner, every bucket)."""
-        return [t for st in self._ef[rank].buckets.values()
-                for t in (st.residual, st.owner_residual) if t is not None]
-
-    def reduce(self, grads: List[torch.Tensor], bucket_index=0, is_last: bool = True,
-               numels: Optional[List[int]] = None, keys: Optional[list] = None,
-               shapes: Optional[list] = None) -> torch.Tensor:
-        """``numels``: the element counts of the tensors the bucket holds, in order (as DDP's
-        ``bucket.parameters()``); block-scaled codecs restart their blocks at each boundary.
-        ``shapes``: their shapes instead (lowrank views each as a matrix of ``shape[0]`` rows;
-        ``uncompressed_numel`` needs them; tensors given by ``numels`` count as 1-D). ``keys``: one
-        hashable per tensor naming its parameter, for buckets whose parameters move (the state
-        follows the parameter, as in the hook); default ``(bucket_index, i)``."""
-        world = self.world_size
-        if len(grads) != world:
-            raise ValueError(f"gradzip: expected {world} gradients, got {len(grads)}")
-        cfg = self.config
-        # a copy where the direction is computed in place: the caller's gradients stay as they are
-        flats = [g.detach().reshape(-1).to(torch.float32, copy=cfg.direction is not None)
-                 .contiguous() for g in grads]
-        n = flats[0].numel()
-        if any(f.numel() != n or f.device != flats[0].device for f in flats):
-            raise ValueError("gradzip: all gradients must have the same numel and device")
-        if shapes is None:
-            shapes = [(n,)] if numels is None else [(int(m),) for m in numels]
-        elif numels is None:
-            shapes = [tuple(int(d) for d in s) for s in shapes]
-        else:
-            raise ValueError("gradzip: give numels or shapes, not both")
-        if sum(math.prod(s) for s in shapes) != n or any(d < 0 for s in shapes for d in s):
-            raise ValueError(f"gradzip: tensors of shapes {shapes} do not partition the {n} "
-                             "elements")
-        keys = [(bucket_index, i) for i in range(len(shapes))] if keys is None else list(keys)
-        if len(keys) != len(shapes) or len(set(keys)) != len(keys):
-            raise ValueError(f"gradzip: keys must name each of the {len(shapes)} tensors once")
-        layout = (n, tuple(zip(keys, shapes)))
-        numels, exact = layout_numels(layout), cfg.exact(layout)  # as the hook
-        rows = layout_rows(layout)
-        compressed = cfg.compresses(self.step, n, world)
-        plan = cfg.transport(self.step, n, world)
-        self._stats.add(plan, numels, world, 0, rows, exact)
-        states = [cfg.bucket_state(self._ef[r], bucket_index, layout, world, r, flats[r].device)
-                  for r in range(world)]
-        for r in range(world):
-            if self._guards[r] is not None:
-                self._guards[r].save(_saved(states[r]))
-            cfg.apply_direction(flats[r], states[r], compressed)
-        if plan is None:
-            out = torch.zeros_like(flats[0])
-            for f in flats:
-                out += f / world
-            # each rank's own copy where the optimizer finishes it in place
-            outs = [out] * world if cfg.direction is None else [out] + [
-                out.clone() for _ in range(world - 1)]
-        elif compressed and cfg.plan.lowrank_rank:
-            outs = [f.clone() for f in flats]  # reduced in place; flats may be the caller's grads
-            run_simulated_lowrank(self._lowrank_reductions(bucket_index, numels, rows, flats[0]),
-                                  outs, states)
-        else:
-            outs = [torch.empty_like(f) for f in flats]
-            run_simulated(self._bucket_reductions(plan, bucket_index, numels, exact, flats[0]),
-                          flats, states if compressed else [None] * world, outs)
-        for o, st in zip(outs, states):
-            cfg.finish_direction(o, st, compressed)
-        for g, o in zip(self._guards, outs):
-            if g is not None:
-                g.flag(o)
-        if is_last:
-            for g in self._guards:
-                if g is not None:
-                    g.commit()
-            self._stats.end_step(self.step)
-            self.step += 1
-        return outs[0]
-
-    def _bucket_reductions(self, plan, index, numels, exact, like):
-        key = (plan, index, tuple(numels), tuple(exact), like.device)
-        if key not in self._reductions:
-            self._reductions[key] = [
-                torch.classes.gradzip.BucketReduction(plan.spec, self.world_size, r, list(numels),
-                                                      like, plan.cast_sum, list(exact))
-                for r in range(self.world_size)]
-        return self._reductions[key]
-
-    def _lowrank_reductions(self, index, numels, rows, like):
-        key = (index, tuple(numels), tuple(rows), like.device)
-        if key not in self._reductions:
-            self._reductions[key] = [
-                torch.classes.gradzip.LowRankReduction(self.config.plan.lowrank_rank,
-                                                       self.world_size, list(numels), list(rows),
-                                                       like)
-                for _ in range(self.world_size)]
-        return self._reductions[key]
-
-    def state_dict(self) -> dict:
-        return {"version": _STATE_VERSION, "codec": self.config.codec, "step": self.step,
-                "world_size": self.world_size,
-                "workers": [store.state_dict() for store in self._ef]}
-
-    def load_state_dict(self, state: dict) -> None:
-        if state.get("codec") != self.config.codec or state.get("world_size") != self.world_size:
-            raise ValueError("gradzip: SimulatedWorkers checkpoint is for codec "
-                             f"{state.get('codec')!r} x {state.get('world_size')}, this is "
-                             f"{self.config.codec!r} x {self.world_size}")
-        self.step = int(state["step"])
-        for store, d in zip(self._ef, state["workers"]):
-            store.load_state_dict(d)

@@ -34,6 +34,7 @@ the residual). HSDP's replica all-reduce, where configured, stays uncompressed.
 import logging
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -43,8 +44,9 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from . import _ops  # noqa: F401  (loads the extension that defines torch.classes.gradzip)
 from ._groups import reducing_group, require_same_config
-from .collective import _tuplify, initial_qs, layout_numels, layout_rows, traffic
-from .ddp import _Config, _ReducerState
+from .bucket_state import initial_qs, layout_numels, layout_rows, tuplify
+from .plan import traffic
+from .reducer import ReducerConfig, ReducerState
 from .param_gather import CompressedAllGather, param_codec as _param_codec
 from .wire import MIN_COMPRESS_NUMEL, travels_uncompressed
 
@@ -70,7 +72,8 @@ class _GroupLayout:
     world: int
     params: Tuple[_Param, ...]
 
-    @property
+    # Computed once per layout (a group's layout lives as long as its state): every step reads them.
+    @cached_property
     def chunks(self) -> List[int]:
         """Elements of each parameter's chunk in a row."""
         out = []
@@ -83,11 +86,11 @@ class _GroupLayout:
                 out.append(numel // self.world)
         return out
 
-    @property
+    @cached_property
     def shard(self) -> int:
         return sum(self.chunks)
 
-    @property
+    @cached_property
     def numels(self) -> List[int]:
         """The pieces of the input, in order (block-scaled codecs restart their blocks at each)."""
         return [c for _ in range(self.world) for c in self.chunks if c]
@@ -112,9 +115,9 @@ class _GroupLayout:
     def describe(self) -> tuple:
         return (self.world, tuple((p.fqn, p.size, p.shard_dim) for p in self.params))
 
-    @property
+    @cached_property
     def bucket(self) -> tuple:
-        """The unsharded group as a DDP bucket (collective.Layout): its parameters' names (the
+        """The unsharded group as a DDP bucket (bucket_state.Layout): its parameters' names (the
         keys that seed their first Q) and shapes, one after the other."""
         return (sum(math.prod(p.size) for p in self.params),
                 tuple((p.fqn, p.size) for p in self.params))
@@ -169,7 +172,7 @@ class CompressedReduceScatter(ReduceScatter):
                                            async_op, self._param_group.gradient_divide_factor)
 
 
-class FSDPCompressionState(_ReducerState):
+class FSDPCompressionState(ReducerState):
     """State of the compressed reduce-scatter of every FSDP parameter group under one root (made by
     :func:`compress`).
 
@@ -193,7 +196,7 @@ class FSDPCompressionState(_ReducerState):
                  param_codec: Optional[str] = None, uncompressed_numel: int = 0):
         # the settings, their checks and the warm-up / small-group policy are the DDP hook's; the
         # reduce-scatter sums every codec in fp32
-        super().__init__(_Config(codec, error_feedback, warmup_steps, min_compress_numel,
+        super().__init__(ReducerConfig(codec, error_feedback, warmup_steps, min_compress_numel,
                                  guard_nonfinite, cast_sum="fp32",
                                  uncompressed_numel=uncompressed_numel))
         self.param_codec = None if param_codec is None else _param_codec(param_codec)
@@ -280,9 +283,9 @@ class FSDPCompressionState(_ReducerState):
                              f"{self._group_name!r})")
 
     def _group_state(self, index: int, world: int, rank: int, device) -> _GroupState:
-        layout = _GroupLayout(world, self._params[index])
         st = self._groups.get(index)
         if st is None:
+            layout = _GroupLayout(world, self._params[index])
             q_rank = self.config.plan.lowrank_rank
             residual = q = None
             if self.config.error_feedback:  # lowrank's: of the unsharded gradient, no padding
@@ -292,7 +295,7 @@ class FSDPCompressionState(_ReducerState):
                 q = initial_qs(layout.bucket, q_rank, device)
             saved = self._loaded.pop(index, None)
             if saved is not None:
-                if _tuplify(saved["layout"]) != layout.describe():
+                if tuplify(saved["layout"]) != layout.describe():
                     raise ValueError(f"gradzip.fsdp: parameter group {index}: the checkpoint's "
                                      f"layout {saved['layout']} is not this model's "
                                      f"{layout.describe()} (another model or world size?)")
@@ -370,8 +373,6 @@ class FSDPCompressionState(_ReducerState):
     def _reduce_lowrank(self, index, st, output, input, scale):
         """The whole unsharded gradient's lowrank average on every rank (the DDP hook's
         reduction of a bucket), ``scale`` times it (FSDP's op: W for a SUM) in this rank's rows."""
-        if self._guard is not None:  # before the update: an overflow step undoes both
-            self._guard.save([t for t in (st.residual, st.q) if t is not None])
         bucket = st.layout.bucket
         x = input.reshape(-1).index_select(0, st.gather).float()
         fut = self._runtime.reduce_lowrank(index, x, x, layout_numels(bucket),

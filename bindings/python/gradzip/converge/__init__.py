@@ -3,7 +3,7 @@ against bytes on the wire. Run ``python -m gradzip.converge --suite cpu-default 
 
 Modules: models (ViT/14 encoder + DPT head), weights (local checkpoint loading), scenes
 (procedural RGB-D), datasets (NYU, KITTI, folder loaders), metrics, losses (SILog), compression
-(the simulated W-worker reduction over gradzip.ddp.SimulatedWorkers), training, distributed
+(the simulated W-worker reduction over gradzip.simulation.SimulatedWorkers), training, distributed
 (real DDP under torchrun), suites, report, output (what cli and distributed share), cli. Only
 compression and distributed import the compiled extension, and only when a run needs it. Beyond
 torch the harness needs the ``converge`` extra: ``pip install 'gradzip[converge]'``.

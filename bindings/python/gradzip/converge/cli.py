@@ -100,7 +100,7 @@ def select(configs: list[RunConfig], codecs: str | None, base: RunConfig | None 
 
 
 def _is_codec(spec: str) -> bool:
-    from gradzip.collective import CodecPlan  # compiled extension: imported only here
+    from gradzip.plan import CodecPlan  # compiled extension: imported only here
 
     try:
         CodecPlan.parse(spec)

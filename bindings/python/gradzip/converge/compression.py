@@ -1,6 +1,6 @@
 """Gradient aggregation for the simulated-worker mode: W gradients in, their (compressed) mean out.
 
-All arithmetic is gradzip.ddp.SimulatedWorkers, which runs the code of ``compress_hook`` for W
+All arithmetic is gradzip.simulation.SimulatedWorkers, which runs the code of ``compress_hook`` for W
 ranks in one process (each worker with its own error-feedback residuals). This module only adapts
 it to the trainer:
 
@@ -64,7 +64,7 @@ class Reducer:
                  first_bucket_bytes: int = FIRST_BUCKET_BYTES, warmup_steps: int = 0,
                  optimizer=None, param_shapes: list[tuple] | None = None,
                  warmup_codec: str | None = None, uncompressed_numel: int = 0):
-        from gradzip.ddp import SimulatedWorkers  # compiled extension: imported only here
+        from gradzip.simulation import SimulatedWorkers  # compiled extension: imported only here
 
         self.codec = canonical_codec(codec)
         self.workers = workers

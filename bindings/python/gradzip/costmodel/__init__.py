@@ -15,7 +15,7 @@ each pass must move. Buckets are communicated one after the other; the model giv
 spends communicating if nothing overlaps with the backward pass (an upper bound on the step's
 overhead) and the bytes each rank sends.
 
-The collective each hook uses follows gradzip.collective: gradzip's fp16 and bf16 (cast_sum
+The collective each hook uses follows gradzip.plan: gradzip's fp16 and bf16 (cast_sum
 "wire", the hook's default) as one 16-bit ring all-reduce of the payload, as PyTorch's 16-bit
 hooks (the header is not sent); two-phase for fp32, int8, sign and the casts with cast_sum "fp32"
 (fp32 accumulation, plus a header per shard); all-gather of fixed-size payloads for top-k; and

@@ -1,12 +1,5 @@
-"""What Python keeps of the compressed average: the codec plan, the state of every bucket and the
-in-memory exchange of the simulation.
-
-The algorithms are C++, written once (bindings/torch/bucket_reduction.hpp: the phases, the shard
-and piece layout, the wire slots; compressed_allreduce.hpp: the driver over a c10d ProcessGroup,
-used by the DDP hook and by C++ callers). :func:`run_simulated` drives the same C++ phases for W
-ranks in one process, doing the exchanges by copying bytes, so that ``SimulatedWorkers`` equals the
-multi-rank hook bit for bit (except for the sum that the backend does in the casts' one all-reduce,
-see run_simulated).
+"""The error-feedback state of every bucket: residuals, optimizer moments and low-rank Q factors,
+kept per bucket and described per parameter.
 
 State is kept per bucket (flat tensors: the encoders read one contiguous residual) and described
 per parameter: a bucket's layout lists its parameters' keys and shapes. When DDP rebuilds its buckets
@@ -19,120 +12,12 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass
-from functools import lru_cache
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
 from . import _ops, wire
 
-
-# ---- codec plan -----------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class CodecPlan:
-    """A parsed codec spec and the collective its all-reduce uses."""
-
-    spec: str  # canonical spec string
-    kind: str  # fp32 | fp16 | bf16 | int8 | sign | topk | lowrank
-    cast_sum: str = "wire"  # wire | fp32 (see wire.sums_on_wire)
-
-    @staticmethod
-    def parse(spec: str, cast_sum: str = "wire") -> "CodecPlan":
-        if not isinstance(spec, str):
-            raise TypeError(f"gradzip: codec spec must be a str, got {type(spec).__name__}")
-        rank = _ops.lowrank_rank_of(spec)  # a ValueError naming the bad part of a lowrank spec
-        canonical = f"lowrank:{rank}" if rank else _ops.canonical_spec(spec)
-        return CodecPlan(canonical, canonical.split(":", 1)[0], cast_sum)
-
-    def __post_init__(self):
-        wire.sums_on_wire(self.kind, self.cast_sum)  # a ValueError for an unknown cast_sum
-
-    @property
-    def wire_sum(self) -> bool:
-        """One all-reduce (SUM) of the payload in the wire dtype: fp32/fp16/bf16 with cast_sum
-        "wire"."""
-        return wire.sums_on_wire(self.kind, self.cast_sum)
-
-    @property
-    def two_phase(self) -> bool:
-        """All-to-all + all-gather with an fp32 sum (int8, sign, and the casts with cast_sum
-        "fp32"; top-k all-gathers)."""
-        return self.kind not in ("topk", "lowrank") and not self.wire_sum
-
-    @property
-    def lowrank_rank(self) -> int:
-        """R of lowrank:R (two all-reduces of low-rank factors, see lowrank_reduction.hpp); 0 for
-        the other codecs."""
-        return int(self.spec.split(":", 1)[1]) if self.kind == "lowrank" else 0
-
-
-@lru_cache(maxsize=1024)
-def shard_bounds(n: int, world: int) -> Tuple[int, ...]:
-    """Start offsets of the W shards of a two-phase bucket, plus n."""
-    return tuple(_ops.shard_starts(n, world))
-
-
-@lru_cache(maxsize=4096)
-def traffic(plan: Optional[CodecPlan], numels: Tuple[int, ...], world: int, rank: int,
-            rows: Optional[Tuple[int, ...]] = None, exact: Tuple[bool, ...] = ()):
-    """Bytes (sent, received) by one rank for one bucket holding tensors of ``numels`` elements
-    (``rows``: their first dimensions, for lowrank), those flagged in ``exact`` sent in fp32 (see
-    layout_exact); plan None = fp32 all-reduce (counted as a ring all-reduce: 2 (W-1)/W of the
-    buffer each way)."""
-    if world == 1:
-        return 0, 0
-    if plan is None:
-        b = _ops.fp32_traffic(sum(numels), world)
-        return b, b
-    if plan.kind == "lowrank":  # two fp32 ring all-reduces: P with the uncompressed tensors, Q
-        p, q = _ops.lowrank_sizes(plan.lowrank_rank, list(numels), list(rows or numels))
-        b = _ops.fp32_traffic(p, world) + _ops.fp32_traffic(q, world)
-        return b, b
-    sent, received = _ops.bucket_traffic(plan.spec, world, rank, list(numels), plan.cast_sum,
-                                         list(exact))
-    return sent, received
-
-
-class TrafficStats:
-    """Bytes sent/received by this rank in the last completed step, and the compression ratio
-    against the uncompressed collective of the same tensors (for the all-reduce: an fp32 ring
-    all-reduce)."""
-
-    def __init__(self):
-        self.last = {"step": -1, "bytes_sent": 0, "bytes_received": 0, "raw_bytes": 0,
-                     "compression_ratio": 1.0, "buckets": 0, "compressed_buckets": 0}
-        self._acc = self._zero()
-
-    @staticmethod
-    def _zero():
-        return {"bytes_sent": 0, "bytes_received": 0, "raw_bytes": 0, "buckets": 0,
-                "compressed_buckets": 0}
-
-    def add(self, plan, numels, world, rank, rows=None, exact=()):
-        """One all-reduced bucket, carried by ``plan`` (None: the fp32 all-reduce; ``rows``,
-        ``exact``: see traffic)."""
-        numels = tuple(numels)
-        rows = None if rows is None else tuple(rows)
-        sent, received = traffic(plan, numels, world, rank, rows, tuple(exact))
-        self.add_bytes(sent, received, traffic(None, numels, world, rank)[0], plan is not None)
-
-    def add_bytes(self, sent: int, received: int, raw: int, compressed: bool):
-        a = self._acc
-        a["bytes_sent"] += sent
-        a["bytes_received"] += received
-        a["raw_bytes"] += raw
-        a["buckets"] += 1
-        a["compressed_buckets"] += int(compressed)
-
-    def end_step(self, step):
-        a = self._acc
-        ratio = a["raw_bytes"] / a["bytes_sent"] if a["bytes_sent"] else 1.0
-        self.last = dict(a, step=step, compression_ratio=ratio)
-        self._acc = self._zero()
-
-
-# ---- per-bucket state ------------------------------------------------------------------------------
 Layout = Tuple[int, Tuple[Tuple[object, Tuple[int, ...]], ...]]  # (n, ((key, shape), ...))
 
 
@@ -373,70 +258,12 @@ class StateStore:
         clone = lambda t: None if t is None else t.detach().clone()  # noqa: E731
         self._retired = []
         self.buckets = {
-            int(i): BucketState(_tuplify(v["layout"]), clone(v["residual"]),
+            int(i): BucketState(tuplify(v["layout"]), clone(v["residual"]),
                                 clone(v.get("owner_residual")), int(v.get("owner_start", 0)),
                                 [clone(t) for t in v.get("moments", [])], int(v.get("updates", 0)),
                                 clone(v.get("q")), int(v.get("q_rank", 0)))
             for i, v in d.items()}
 
 
-def _tuplify(x):
-    return tuple(_tuplify(v) for v in x) if isinstance(x, (list, tuple)) else x
-
-
-# ---- the simulation's exchange ---------------------------------------------------------------------
-def run_simulated(reductions: Sequence, xs: Sequence[torch.Tensor], states: Sequence,
-                  outs: Sequence[torch.Tensor]) -> None:
-    """Runs one C++ BucketReduction per rank through its phases, doing each collective in memory:
-    the all-to-all sends rank i's shard j to rank j, the all-gather concatenates in rank order.
-
-    The casts' one all-reduce (wire_sum) is simulated as the fp32 sum of the W payloads in rank
-    order, rounded once to the wire dtype. The backends sum in the wire dtype in an order of their
-    own (Gloo and NCCL differ, and so do the elements of one bucket), so there the simulation
-    equals the hook only to the wire dtype's rounding of a W-term sum; the residuals, which each
-    rank forms from its own payload, are equal bit for bit."""
-    world = len(reductions)
-    for red, x, st in zip(reductions, xs, states):
-        red.encode(x, None if st is None else st.residual)
-    if reductions[0].wire_sum():
-        total = torch.zeros_like(reductions[0].payload(), dtype=torch.float32)
-        for red in reductions:
-            total += red.payload()
-        for red, out in zip(reductions, outs):
-            red.payload().copy_(total)
-            red.decode(out)
-        return
-    if reductions[0].two_phase():
-        # per rank: its send buffer cut into the bytes for each destination
-        sent = [red.send().split(red.send_splits()) for red in reductions]
-        for r, red in enumerate(reductions):
-            red.recv().copy_(torch.cat([sent[i][r] for i in range(world)]))
-        for red, st in zip(reductions, states):
-            red.reduce_owner(None if st is None else st.owner_residual)
-    gathered = torch.cat([red.gather_in() for red in reductions])
-    for red, out in zip(reductions, outs):
-        red.gathered().copy_(gathered)
-        red.decode(out)
-
-
-def run_simulated_lowrank(reductions: Sequence, xs: Sequence[torch.Tensor], states: Sequence) -> None:
-    """Runs one C++ LowRankReduction per rank through its phases, each all-reduce done as the sum
-    of the W buffers in rank order: at W = 2 what every backend computes (a + b commutes), above it
-    equal to fp32 rounding (the backend's summation order is its own). ``xs`` are overwritten with
-    the average."""
-    for red, x, st in zip(reductions, xs, states):
-        red.compute_p(x, st.residual, st.q)
-    _sum_in_place([red.p() for red in reductions])
-    for red, x, st in zip(reductions, xs, states):
-        red.compute_q(x, st.q)
-    _sum_in_place([st.q for st in states])
-    for red, x, st in zip(reductions, xs, states):
-        red.finish(x, st.residual, st.q)
-
-
-def _sum_in_place(buffers: Sequence[torch.Tensor]) -> None:
-    total = torch.zeros_like(buffers[0])
-    for b in buffers:
-        total += b
-    for b in buffers:
-        b.copy_(total)
+def tuplify(x):
+    return tuple(tuplify(v) for v in x) if isinstance(x, (list, tuple)) else x

@@ -1,0 +1,120 @@
+"""What a codec sends: the parsed codec plan (its spec and the collective its all-reduce uses), a
+bucket's bytes on the wire, and the traffic counters of a step.
+
+The algorithms are C++, written once (bindings/torch/bucket_reduction.hpp: the phases, the shard
+and piece layout, the wire slots; compressed_allreduce.hpp: the driver over a c10d ProcessGroup,
+used by the DDP hook, FSDP's reduce-scatter and C++ callers); the bytes here are that layout's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Optional, Tuple
+
+
+from . import _ops, wire
+
+
+# ---- codec plan -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CodecPlan:
+    """A parsed codec spec and the collective its all-reduce uses."""
+
+    spec: str  # canonical spec string
+    kind: str  # fp32 | fp16 | bf16 | int8 | sign | topk | lowrank
+    cast_sum: str = "wire"  # wire | fp32 (see wire.sums_on_wire)
+
+    @staticmethod
+    def parse(spec: str, cast_sum: str = "wire") -> "CodecPlan":
+        if not isinstance(spec, str):
+            raise TypeError(f"gradzip: codec spec must be a str, got {type(spec).__name__}")
+        rank = _ops.lowrank_rank_of(spec)  # a ValueError naming the bad part of a lowrank spec
+        canonical = f"lowrank:{rank}" if rank else _ops.canonical_spec(spec)
+        return CodecPlan(canonical, canonical.split(":", 1)[0], cast_sum)
+
+    def __post_init__(self):
+        wire.sums_on_wire(self.kind, self.cast_sum)  # a ValueError for an unknown cast_sum
+
+    @property
+    def wire_sum(self) -> bool:
+        """One all-reduce (SUM) of the payload in the wire dtype: fp32/fp16/bf16 with cast_sum
+        "wire"."""
+        return wire.sums_on_wire(self.kind, self.cast_sum)
+
+    @property
+    def two_phase(self) -> bool:
+        """All-to-all + all-gather with an fp32 sum (int8, sign, and the casts with cast_sum
+        "fp32"; top-k all-gathers)."""
+        return self.kind not in ("topk", "lowrank") and not self.wire_sum
+
+    @property
+    def lowrank_rank(self) -> int:
+        """R of lowrank:R (two all-reduces of low-rank factors, see lowrank_reduction.hpp); 0 for
+        the other codecs."""
+        return int(self.spec.split(":", 1)[1]) if self.kind == "lowrank" else 0
+
+
+@lru_cache(maxsize=1024)
+def shard_bounds(n: int, world: int) -> Tuple[int, ...]:
+    """Start offsets of the W shards of a two-phase bucket, plus n."""
+    return tuple(_ops.shard_starts(n, world))
+
+
+@lru_cache(maxsize=4096)
+def traffic(plan: Optional[CodecPlan], numels: Tuple[int, ...], world: int, rank: int,
+            rows: Optional[Tuple[int, ...]] = None, exact: Tuple[bool, ...] = ()):
+    """Bytes (sent, received) by one rank for one bucket holding tensors of ``numels`` elements
+    (``rows``: their first dimensions, for lowrank), those flagged in ``exact`` sent in fp32 (see
+    layout_exact); plan None = fp32 all-reduce (counted as a ring all-reduce: 2 (W-1)/W of the
+    buffer each way)."""
+    if world == 1:
+        return 0, 0
+    if plan is None:
+        b = _ops.fp32_traffic(sum(numels), world)
+        return b, b
+    if plan.kind == "lowrank":  # two fp32 ring all-reduces: P with the uncompressed tensors, Q
+        p, q = _ops.lowrank_sizes(plan.lowrank_rank, list(numels), list(rows or numels))
+        b = _ops.fp32_traffic(p, world) + _ops.fp32_traffic(q, world)
+        return b, b
+    sent, received = _ops.bucket_traffic(plan.spec, world, rank, list(numels), plan.cast_sum,
+                                         list(exact))
+    return sent, received
+
+
+class TrafficStats:
+    """Bytes sent/received by this rank in the last completed step, and the compression ratio
+    against the uncompressed collective of the same tensors (for the all-reduce: an fp32 ring
+    all-reduce)."""
+
+    def __init__(self):
+        self.last = {"step": -1, "bytes_sent": 0, "bytes_received": 0, "raw_bytes": 0,
+                     "compression_ratio": 1.0, "buckets": 0, "compressed_buckets": 0}
+        self._acc = self._zero()
+
+    @staticmethod
+    def _zero():
+        return {"bytes_sent": 0, "bytes_received": 0, "raw_bytes": 0, "buckets": 0,
+                "compressed_buckets": 0}
+
+    def add(self, plan, numels, world, rank, rows=None, exact=()):
+        """One all-reduced bucket, carried by ``plan`` (None: the fp32 all-reduce; ``rows``,
+        ``exact``: see traffic)."""
+        numels = tuple(numels)
+        rows = None if rows is None else tuple(rows)
+        sent, received = traffic(plan, numels, world, rank, rows, tuple(exact))
+        self.add_bytes(sent, received, traffic(None, numels, world, rank)[0], plan is not None)
+
+    def add_bytes(self, sent: int, received: int, raw: int, compressed: bool):
+        a = self._acc
+        a["bytes_sent"] += sent
+        a["bytes_received"] += received
+        a["raw_bytes"] += raw
+        a["buckets"] += 1
+        a["compressed_buckets"] += int(compressed)
+
+    def end_step(self, step):
+        a = self._acc
+        ratio = a["raw_bytes"] / a["bytes_sent"] if a["bytes_sent"] else 1.0
+        self.last = dict(a, step=step, compression_ratio=ratio)
+        self._acc = self._zero()

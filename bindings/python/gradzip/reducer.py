@@ -1,0 +1,195 @@
+"""What the DDP hook (:mod:`gradzip.ddp`), its simulation (:mod:`gradzip.simulation`) and FSDP's
+reduce-scatter (:mod:`gradzip.fsdp`) share: the settings every rank must agree on and the per-step
+policy (:class:`ReducerConfig`: warm-up steps and small buckets go uncompressed, which tensors travel
+exact, the optimizer direction), and the state object's common part (:class:`ReducerState`: the
+step count, the traffic counters, the C++ reduction, the non-finite guard, settling a step).
+"""
+
+import logging
+from typing import List, Optional
+
+import torch
+
+from . import _ops  # noqa: F401  (loads the extension that defines torch.classes.gradzip)
+from .bucket_state import StateStore, layout_exact
+from .plan import CodecPlan, TrafficStats, shard_bounds
+
+logger = logging.getLogger(__name__)
+
+# The format of CompressionState.state_dict() and SimulatedWorkers.state_dict().
+# 3: state kept per bucket but described per parameter (key and shape), so that it survives a
+#    re-bucketing; owner residuals carry their shard offset.
+STATE_VERSION = 3
+
+
+class ReducerConfig:
+    """What every rank must agree on, and the per-step policy shared by the hook, the
+    simulation and gradzip.fsdp: warm-up steps and small buckets go uncompressed."""
+
+    def __init__(self, codec: str, error_feedback: bool, warmup_steps: int, min_compress_numel: int,
+                 guard_nonfinite: bool, optimizer=None, cast_sum: Optional[str] = None,
+                 warmup_codec: Optional[str] = None, uncompressed_numel: int = 0):
+        self.direction = None
+        if optimizer is not None:
+            direction = getattr(optimizer, "direction", None)
+            if direction is None or not hasattr(direction, "apply_"):
+                raise TypeError("gradzip: optimizer must be a gradzip.optim optimizer "
+                                f"(FrozenVarianceAdamW, CompressedSGD), got "
+                                f"{type(optimizer).__name__}")
+            self.direction = direction
+        if warmup_steps < 0 or min_compress_numel < 0 or uncompressed_numel < 0:
+            raise ValueError("gradzip: warmup_steps, min_compress_numel and uncompressed_numel "
+                             "must be >= 0")
+        if self.direction is not None and self.direction.needs_warmup and warmup_steps < 1:
+            raise ValueError(f"gradzip: {type(optimizer).__name__} measures the variance on the "
+                             "uncompressed warm-up steps before it freezes it: warmup_steps must "
+                             "be >= 1 (about the learning rate's warm-up)")
+        self.error_feedback = bool(error_feedback)
+        # The owner residual exists only where one rank forms the sum in fp32 (the two-phase path).
+        if cast_sum is None:
+            cast_sum = "fp32" if self.wants_owner_residual else "wire"
+        self.plan = CodecPlan.parse(codec, cast_sum)
+        if self.wants_owner_residual and self.plan.wire_sum:
+            raise ValueError(f"gradzip: {type(optimizer).__name__} with error feedback keeps the "
+                             f"residual of the summed {self.plan.kind}, which needs the two-phase "
+                             "fp32 sum: cast_sum='wire' sums in the wire dtype inside the backend; "
+                             "use cast_sum='fp32' (or leave it unset)")
+        self.warmup_steps = int(warmup_steps)
+        # The warm-up's transport: the gradient itself (no error feedback: the warm-up is there to
+        # see exact averages, and a 16-bit rounding of the average is far below its noise), summed
+        # as the codec sums it; None: the plain fp32 all-reduce.
+        self.warmup_plan = None if warmup_codec is None else CodecPlan.parse(warmup_codec)
+        if self.warmup_plan is not None and self.warmup_steps < 1:
+            raise ValueError(f"gradzip: warmup_codec={warmup_codec!r} needs warmup_steps >= 1")
+        if self.warmup_plan is not None and self.warmup_plan.lowrank_rank:
+            raise ValueError("gradzip: warmup_codec must encode the gradient itself (fp16, bf16, "
+                             f"int8, ...), not {self.warmup_plan.spec}")
+        self.min_compress_numel = int(min_compress_numel)
+        self.uncompressed_numel = int(uncompressed_numel)
+        self.guard_nonfinite = bool(guard_nonfinite)
+
+    @property
+    def codec(self) -> str:
+        return self.plan.spec
+
+    def describe(self, world: int) -> str:
+        return (f"codec={self.plan.spec} cast_sum={self.plan.cast_sum} "
+                f"error_feedback={int(self.error_feedback)} "
+                f"warmup_steps={self.warmup_steps} warmup_codec="
+                f"{'fp32' if self.warmup_plan is None else self.warmup_plan.spec} "
+                f"min_compress_numel={self.min_compress_numel} "
+                f"uncompressed_numel={self.uncompressed_numel} "
+                f"guard_nonfinite={int(self.guard_nonfinite)} world={world} direction="
+                f"{'none' if self.direction is None else self.direction.describe()}")
+
+    def compresses(self, step: int, n: int, world: int) -> bool:
+        """Past the warm-up and big enough: the codec carries the bucket, with error feedback and
+        the optimizer's compressed direction."""
+        return world > 1 and step >= self.warmup_steps and self._big_enough(n, world)
+
+    def _big_enough(self, n: int, world: int) -> bool:
+        # n >= world: every shard of a two-phase bucket holds at least one element.
+        return n >= max(self.min_compress_numel, world, 1)
+
+    def transport(self, step: int, n: int, world: int) -> Optional[CodecPlan]:
+        """The codec that carries a bucket of ``n`` elements at ``step``: the codec once
+        compressing, the warm-up codec (if any) during the warm-up, else None (an fp32 all-reduce
+        of the average)."""
+        if self.compresses(step, n, world):
+            return self.plan
+        if self.warmup_plan is not None and world > 1 and self._big_enough(n, world):
+            return self.warmup_plan
+        return None
+
+    def exact(self, layout) -> List[bool]:
+        """Per tensor of the bucket (bucket_state.layout_numels), whether it travels in fp32."""
+        return layout_exact(layout, self.uncompressed_numel)
+
+    @property
+    def wants_owner_residual(self) -> bool:
+        """The owner's second residual on the reduced shard of a two-phase bucket: measured to help
+        only where an optimizer direction is compressed (on raw gradients it compounds the two
+        errors)."""
+        return self.error_feedback and self.direction is not None
+
+    @property
+    def keeps_state(self) -> bool:
+        return self.error_feedback or self.direction is not None or self.plan.lowrank_rank > 0
+
+    def new_guard(self):
+        """A C++ NonfiniteGuard where there is state to protect, else None."""
+        return torch.classes.gradzip.NonfiniteGuard() if self.guard_nonfinite and self.keeps_state \
+            else None
+
+    def bucket_state(self, store: StateStore, index: int, layout, world: int, rank: int, device):
+        """This rank's state of one bucket, or None when it keeps none."""
+        moments = 0 if self.direction is None else self.direction.buffers
+        q_rank = self.plan.lowrank_rank  # lowrank keeps its Q factors with or without feedback
+        if not self.error_feedback and not moments and not q_rank:
+            return None
+        owner = None
+        if self.wants_owner_residual and self.plan.two_phase:
+            bounds = shard_bounds(layout[0], world)
+            owner = (bounds[rank], bounds[rank + 1] - bounds[rank])
+        return store.get(index, layout, self.error_feedback, owner, moments, device, q_rank)
+
+    def apply_direction(self, x: torch.Tensor, st, compressed: bool) -> None:
+        """Turns this rank's gradient ``x`` into what it sends for the optimizer, in place."""
+        if self.direction is not None:
+            st.updates += 1
+            self.direction.apply_(x, st.moments, st.updates, self.warmup_steps, compressed)
+
+    def finish_direction(self, avg: torch.Tensor, st, compressed: bool) -> None:
+        """Turns the average ``avg`` into what the optimizer applies, in place (after
+        apply_direction of the same step)."""
+        if self.direction is not None:
+            self.direction.finish_(avg, st.moments, st.updates, self.warmup_steps, compressed)
+
+
+def state_tensors(st) -> list:
+    return [] if st is None else [t for t in st.tensors() if t is not None]
+
+
+class ReducerState:
+    """What the DDP hook's and FSDP's states share: the settings, the step count, the traffic
+    counters, the C++ reduction (built at the first call), the non-finite guard, settling a
+    finished step, and pickling without the C++ objects."""
+
+    def __init__(self, config: ReducerConfig):
+        self.config = config
+        self.step = 0
+        self._stats = TrafficStats()
+        self._runtime = None  # torch.classes.gradzip.CompressedAllreduce, built at the first call
+        self._guard = config.new_guard()
+        self._guard_step = 0  # the step whose residual updates the guard holds
+
+    @property
+    def codec(self) -> str:
+        return self.config.codec
+
+    @property
+    def stats(self) -> dict:
+        return dict(self._stats.last)
+
+    def _commit(self) -> None:
+        """Settles the finished step (all of its reductions are complete: DDP waited for their
+        futures before the next forward, FSDP's reduce-scatter is synchronous): restores the
+        residuals if a reduced piece was not finite, and raises a decode error the device has
+        reported."""
+        if self._guard is not None:
+            self._guard.commit()
+        self._guard_step = self.step
+        if self._runtime is not None:
+            self._runtime.check_errors()
+
+    def __getstate__(self):
+        self._commit()
+        d = dict(self.__dict__)
+        d["_runtime"] = None
+        d["_guard"] = None  # C++ objects; the guard holds nothing between steps after a commit
+        return d
+
+    def __setstate__(self, d):
+        self.__dict__.update(d)
+        self._guard = self.config.new_guard()
+        self._guard_step = self.step

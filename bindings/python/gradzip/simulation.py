@@ -1,0 +1,235 @@
+"""W ranks in one process: :class:`SimulatedWorkers` runs the DDP hook's C++ phases for W workers,
+doing each exchange in memory by copying bytes, so that its result equals the multi-rank hook bit
+for bit, except where the backend sums: the casts' one all-reduce (``cast_sum="wire"``; equal to
+the wire dtype's rounding of a W-term sum, see :func:`run_simulated`) and warm-up and small
+buckets (a plain fp32 all-reduce; equal to fp32 rounding).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Sequence
+
+import torch
+
+from . import _ops  # noqa: F401  (loads the extension that defines torch.classes.gradzip)
+from .bucket_state import StateStore, layout_numels, layout_rows
+from .plan import TrafficStats
+from .reducer import STATE_VERSION, ReducerConfig, state_tensors
+from .wire import MIN_COMPRESS_NUMEL
+
+__all__ = ["SimulatedWorkers"]
+
+
+class SimulatedWorkers:
+    """W workers in one process, each with its own error-feedback state, reduced with exactly the
+    arithmetic of :func:`compress_hook` (the same C++ phases; the collectives done in memory).
+
+        sim = SimulatedWorkers("int8", world_size=4)
+        avg = sim.reduce([g0, g1, g2, g3])   # what every rank's bucket holds after the hook
+
+    Each call reduces one bucket (``bucket_index``, default 0); ``is_last=True`` (the default) ends
+    the step, as DDP's last bucket does: the step count advances, ``stats`` is updated and, with
+    ``guard_nonfinite``, the residual updates of the step are kept or (if any bucket of the step was
+    not finite) undone. Compressed buckets equal the multi-rank hook bit for bit where gradzip sums
+    (every codec, and fp16/bf16 with ``cast_sum="fp32"``). fp16/bf16 with ``cast_sum="wire"`` (the
+    default) are summed by the backend in the wire dtype, in its own order: simulated here as the
+    fp32 sum in rank order rounded once to the wire dtype, equal to the hook to the wire dtype's
+    rounding of a W-term sum (the residuals equal it bit for bit). Warm-up steps and buckets below
+    ``min_compress_numel`` (a plain fp32 all-reduce on real ranks, whose summation order is the
+    backend's) are summed here in rank order of ``g / W``: equal to fp32 rounding. ``lowrank:R``
+    (give the tensors' ``shapes=``) sums its two all-reduces in rank order: equal to the hook bit
+    for bit at W = 2, to fp32 rounding above.
+    """
+
+    def __init__(self, codec: str, world_size: int, error_feedback: bool = True,
+                 warmup_steps: int = 0, min_compress_numel: int = MIN_COMPRESS_NUMEL,
+                 guard_nonfinite: bool = True, optimizer=None, cast_sum: Optional[str] = None,
+                 warmup_codec: Optional[str] = None, uncompressed_numel: int = 0):
+        if int(world_size) < 1:
+            raise ValueError(f"gradzip: world_size must be >= 1, got {world_size}")
+        self.config = ReducerConfig(codec, error_feedback, warmup_steps, min_compress_numel, guard_nonfinite,
+                              optimizer, cast_sum, warmup_codec, uncompressed_numel)
+        self.world_size = int(world_size)
+        self.step = 0
+        self._ef = [StateStore() for _ in range(self.world_size)]
+        self._stats = TrafficStats()
+        self._guards = [self.config.new_guard() for _ in range(self.world_size)]
+        self._reductions = {}  # (bucket_index, numels, exact, device) -> a BucketReduction per rank
+        if optimizer is not None:
+            optimizer.attached = True
+
+    @property
+    def codec(self) -> str:
+        return self.config.codec
+
+    @property
+    def stats(self) -> dict:
+        """Rank 0's traffic in the last step, as ``CompressionState.stats``."""
+        return dict(self._stats.last)
+
+    def residuals(self, rank: int = 0) -> List[torch.Tensor]:
+        """The error-feedback residuals a worker holds (worker and owner, every bucket)."""
+        return [t for st in self._ef[rank].buckets.values()
+                for t in (st.residual, st.owner_residual) if t is not None]
+
+    def reduce(self, grads: List[torch.Tensor], bucket_index=0, is_last: bool = True,
+               numels: Optional[List[int]] = None, keys: Optional[list] = None,
+               shapes: Optional[list] = None) -> torch.Tensor:
+        """``numels``: the element counts of the tensors the bucket holds, in order (as DDP's
+        ``bucket.parameters()``); block-scaled codecs restart their blocks at each boundary.
+        ``shapes``: their shapes instead (lowrank views each as a matrix of ``shape[0]`` rows;
+        ``uncompressed_numel`` needs them; tensors given by ``numels`` count as 1-D). ``keys``: one
+        hashable per tensor naming its parameter, for buckets whose parameters move (the state
+        follows the parameter, as in the hook); default ``(bucket_index, i)``."""
+        world = self.world_size
+        if len(grads) != world:
+            raise ValueError(f"gradzip: expected {world} gradients, got {len(grads)}")
+        cfg = self.config
+        # a copy where the direction is computed in place: the caller's gradients stay as they are
+        flats = [g.detach().reshape(-1).to(torch.float32, copy=cfg.direction is not None)
+                 .contiguous() for g in grads]
+        n = flats[0].numel()
+        if any(f.numel() != n or f.device != flats[0].device for f in flats):
+            raise ValueError("gradzip: all gradients must have the same numel and device")
+        if shapes is None:
+            shapes = [(n,)] if numels is None else [(int(m),) for m in numels]
+        elif numels is None:
+            shapes = [tuple(int(d) for d in s) for s in shapes]
+        else:
+            raise ValueError("gradzip: give numels or shapes, not both")
+        if sum(math.prod(s) for s in shapes) != n or any(d < 0 for s in shapes for d in s):
+            raise ValueError(f"gradzip: tensors of shapes {shapes} do not partition the {n} "
+                             "elements")
+        keys = [(bucket_index, i) for i in range(len(shapes))] if keys is None else list(keys)
+        if len(keys) != len(shapes) or len(set(keys)) != len(keys):
+            raise ValueError(f"gradzip: keys must name each of the {len(shapes)} tensors once")
+        layout = (n, tuple(zip(keys, shapes)))
+        numels, exact = layout_numels(layout), cfg.exact(layout)  # as the hook
+        rows = layout_rows(layout)
+        compressed = cfg.compresses(self.step, n, world)
+        plan = cfg.transport(self.step, n, world)
+        self._stats.add(plan, numels, world, 0, rows, exact)
+        states = [cfg.bucket_state(self._ef[r], bucket_index, layout, world, r, flats[r].device)
+                  for r in range(world)]
+        for r in range(world):
+            if self._guards[r] is not None:
+                self._guards[r].save(state_tensors(states[r]))
+            cfg.apply_direction(flats[r], states[r], compressed)
+        if plan is None:
+            out = torch.zeros_like(flats[0])
+            for f in flats:
+                out += f / world
+            # each rank's own copy where the optimizer finishes it in place
+            outs = [out] * world if cfg.direction is None else [out] + [
+                out.clone() for _ in range(world - 1)]
+        elif compressed and cfg.plan.lowrank_rank:
+            outs = [f.clone() for f in flats]  # reduced in place; flats may be the caller's grads
+            run_simulated_lowrank(self._lowrank_reductions(bucket_index, numels, rows, flats[0]),
+                                  outs, states)
+        else:
+            outs = [torch.empty_like(f) for f in flats]
+            run_simulated(self._bucket_reductions(plan, bucket_index, numels, exact, flats[0]),
+                          flats, states if compressed else [None] * world, outs)
+        for o, st in zip(outs, states):
+            cfg.finish_direction(o, st, compressed)
+        for g, o in zip(self._guards, outs):
+            if g is not None:
+                g.flag(o)
+        if is_last:
+            for g in self._guards:
+                if g is not None:
+                    g.commit()
+            self._stats.end_step(self.step)
+            self.step += 1
+        return outs[0]
+
+    def _bucket_reductions(self, plan, index, numels, exact, like):
+        key = (plan, index, tuple(numels), tuple(exact), like.device)
+        if key not in self._reductions:
+            self._reductions[key] = [
+                torch.classes.gradzip.BucketReduction(plan.spec, self.world_size, r, list(numels),
+                                                      like, plan.cast_sum, list(exact))
+                for r in range(self.world_size)]
+        return self._reductions[key]
+
+    def _lowrank_reductions(self, index, numels, rows, like):
+        key = (index, tuple(numels), tuple(rows), like.device)
+        if key not in self._reductions:
+            self._reductions[key] = [
+                torch.classes.gradzip.LowRankReduction(self.config.plan.lowrank_rank,
+                                                       self.world_size, list(numels), list(rows),
+                                                       like)
+                for _ in range(self.world_size)]
+        return self._reductions[key]
+
+    def state_dict(self) -> dict:
+        return {"version": STATE_VERSION, "codec": self.config.codec, "step": self.step,
+                "world_size": self.world_size,
+                "workers": [store.state_dict() for store in self._ef]}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("codec") != self.config.codec or state.get("world_size") != self.world_size:
+            raise ValueError("gradzip: SimulatedWorkers checkpoint is for codec "
+                             f"{state.get('codec')!r} x {state.get('world_size')}, this is "
+                             f"{self.config.codec!r} x {self.world_size}")
+        self.step = int(state["step"])
+        for store, d in zip(self._ef, state["workers"]):
+            store.load_state_dict(d)
+
+
+def run_simulated(reductions: Sequence, xs: Sequence[torch.Tensor], states: Sequence,
+                  outs: Sequence[torch.Tensor]) -> None:
+    """Runs one C++ BucketReduction per rank through its phases, doing each collective in memory:
+    the all-to-all sends rank i's shard j to rank j, the all-gather concatenates in rank order.
+
+    The casts' one all-reduce (wire_sum) is simulated as the fp32 sum of the W payloads in rank
+    order, rounded once to the wire dtype. The backends sum in the wire dtype in an order of their
+    own (Gloo and NCCL differ, and so do the elements of one bucket), so there the simulation
+    equals the hook only to the wire dtype's rounding of a W-term sum; the residuals, which each
+    rank forms from its own payload, are equal bit for bit."""
+    world = len(reductions)
+    for red, x, st in zip(reductions, xs, states):
+        red.encode(x, None if st is None else st.residual)
+    if reductions[0].wire_sum():
+        total = torch.zeros_like(reductions[0].payload(), dtype=torch.float32)
+        for red in reductions:
+            total += red.payload()
+        for red, out in zip(reductions, outs):
+            red.payload().copy_(total)
+            red.decode(out)
+        return
+    if reductions[0].two_phase():
+        # per rank: its send buffer cut into the bytes for each destination
+        sent = [red.send().split(red.send_splits()) for red in reductions]
+        for r, red in enumerate(reductions):
+            red.recv().copy_(torch.cat([sent[i][r] for i in range(world)]))
+        for red, st in zip(reductions, states):
+            red.reduce_owner(None if st is None else st.owner_residual)
+    gathered = torch.cat([red.gather_in() for red in reductions])
+    for red, out in zip(reductions, outs):
+        red.gathered().copy_(gathered)
+        red.decode(out)
+
+
+def run_simulated_lowrank(reductions: Sequence, xs: Sequence[torch.Tensor], states: Sequence) -> None:
+    """Runs one C++ LowRankReduction per rank through its phases, each all-reduce done as the sum
+    of the W buffers in rank order: at W = 2 what every backend computes (a + b commutes), above it
+    equal to fp32 rounding (the backend's summation order is its own). ``xs`` are overwritten with
+    the average."""
+    for red, x, st in zip(reductions, xs, states):
+        red.compute_p(x, st.residual, st.q)
+    _sum_in_place([red.p() for red in reductions])
+    for red, x, st in zip(reductions, xs, states):
+        red.compute_q(x, st.q)
+    _sum_in_place([st.q for st in states])
+    for red, x, st in zip(reductions, xs, states):
+        red.finish(x, st.residual, st.q)
+
+
+def _sum_in_place(buffers: Sequence[torch.Tensor]) -> None:
+    total = torch.zeros_like(buffers[0])
+    for b in buffers:
+        total += b
+    for b in buffers:
+        b.copy_(total)

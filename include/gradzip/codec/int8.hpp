@@ -56,6 +56,8 @@ GZ_HD float int8_dequantize(int8_t q, float scale) {
 // Payload: ceil(n / block) f32 scales, padding to 16 bytes, then n int8.
 struct Int8Codec : BlockwiseWire<int8_t, 1> {
   static constexpr CodecKind kind = CodecKind::int8;
+  static constexpr const char* spec_name = "int8";
+  static constexpr uint32_t default_block = 256;
   static GZ_HD WireCheck check_padding(const WireHeader& h, const uint8_t* payload) {
     return check_scale_padding(h, payload);
   }

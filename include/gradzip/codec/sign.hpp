@@ -37,6 +37,8 @@ GZ_HD float sign_lane_tree(float* lanes) {
 // Payload: ceil(n / block) f32 scales, padding to 16 bytes, then ceil(n / 32) u32 sign words.
 struct SignCodec : BlockwiseWire<uint32_t, 32> {
   static constexpr CodecKind kind = CodecKind::sign;
+  static constexpr const char* spec_name = "sign";
+  static constexpr uint32_t default_block = 1024;
   // The scales' padding is zero, and so are the bits of the last word past the count.
   static GZ_HD WireCheck check_padding(const WireHeader& h, const uint8_t* payload) {
     const WireCheck r = check_scale_padding(h, payload);

@@ -1,6 +1,7 @@
 // The CPU loop table, written once and compiled once per instruction set: isa_<name>.cpp defines
 // GZ_ISA_NS and includes this file, and CMake builds it with that ISA's -m flags. Each codec's
-// loops are in loops/<codec>.hpp: plain calls of the element functions of element.hpp and
+// loops are in loops/<codec>.hpp (int8's and sign's steps driven by the block loop of
+// loops/blockwise.hpp): plain calls of the element functions of element.hpp and
 // gradzip/codec/<codec>.hpp, shaped (fixed-width inner loops, no early exits,
 // separate max/sum and emit passes per block) so that GCC vectorises them; the element math is
 // never re-implemented here. Everything below has internal linkage except the table accessor,
@@ -26,8 +27,8 @@ constexpr CpuLoops kTable{
     {encode_cast<Fp32Codec>, decode_cast<Fp32Codec>},
     {encode_cast<Fp16Codec>, decode_cast<Fp16Codec>},
     {encode_cast<Bf16Codec>, decode_cast<Bf16Codec>},
-    {encode_int8, decode_int8},
-    {encode_sign, decode_sign},
+    {encode_blockwise<Int8Block>, decode_blockwise<Int8Block>},
+    {encode_blockwise<SignBlock>, decode_blockwise<SignBlock>},
     {topk_hist0, topk_collect, topk_emit, topk_gather, topk_residual},
 };
 

@@ -54,26 +54,129 @@ uint32_t parse_block(std::string_view spec, std::string_view value) {
   return static_cast<uint32_t>(v);
 }
 
-void validate(std::string_view spec, const CodecSpec& s) {
-  switch (s.kind) {
-    case CodecKind::fp32:
-    case CodecKind::fp16:
-    case CodecKind::bf16:
-      if (s.block != 0 || s.ratio != 0.0 || s.fp16_values) bad_spec(spec, "casts take no parameters");
-      return;
-    case CodecKind::int8:
-    case CodecKind::sign:
-      if (!valid_block(s.block))
-        bad_spec(spec, "block=" + std::to_string(s.block) + " must be a multiple of 32 in [32, 65536]");
-      if (s.ratio != 0.0 || s.fp16_values) bad_spec(spec, "only block= applies to int8/sign");
-      return;
-    case CodecKind::topk:
-      if (!(s.ratio > 0.0 && s.ratio <= 1.0))
-        bad_spec(spec, "top-k ratio " + std::to_string(s.ratio) + " must be in (0, 1]");
-      if (s.block != 0) bad_spec(spec, "top-k takes no block");
-      return;
+// ---- the spec rules of each codec family ------------------------------------------------------
+// A spec is the codec's name, then its leading parts (top-k's ratio), then key=value options; a
+// family takes at most one option. rules_for(codec) picks the family's rules and visit(kind, f)
+// the codec, so the list of codecs is visit's alone. Each family reads its parts and its option
+// (defaults first), checks its parameters, writes its canonical name and gives the header's param.
+
+// fp32 / fp16 / bf16: no parameters.
+struct CastRules {
+  static constexpr std::string_view option{};
+  static size_t read_leading(std::string_view, const std::vector<std::string_view>&, CodecSpec&) {
+    return 1;
   }
-  bad_spec(spec, "unknown codec kind " + std::to_string(static_cast<int>(s.kind)));
+  static void read_option(std::string_view, std::string_view, CodecSpec&) {}
+  static void check(std::string_view spec, const CodecSpec& s) {
+    if (s.block != 0 || s.ratio != 0.0 || s.fp16_values) bad_spec(spec, "casts take no parameters");
+  }
+  template <class C>
+  static std::string name(C, const CodecSpec&) { return C::spec_name; }
+  static uint32_t param(const Codec&, uint64_t) { return 0; }
+};
+
+// int8 / sign: block=N, with the codec's default.
+template <class C>
+struct BlockwiseRules {
+  static constexpr std::string_view option = "block";
+  static size_t read_leading(std::string_view, const std::vector<std::string_view>&, CodecSpec& s) {
+    s.block = C::default_block;
+    return 1;
+  }
+  static void read_option(std::string_view spec, std::string_view value, CodecSpec& s) {
+    s.block = parse_block(spec, value);
+  }
+  static void check(std::string_view spec, const CodecSpec& s) {
+    if (!valid_block(s.block))
+      bad_spec(spec, "block=" + std::to_string(s.block) + " must be a multiple of 32 in [32, 65536]");
+    if (s.ratio != 0.0 || s.fp16_values) bad_spec(spec, "only block= applies to int8/sign");
+  }
+  static std::string name(C, const CodecSpec& s) {
+    return std::string(C::spec_name) + ":block=" + std::to_string(s.block);
+  }
+  static uint32_t param(const Codec& c, uint64_t) { return c.spec().block; }
+};
+
+// topk:RATIO, then values=fp32|fp16.
+struct TopkRules {
+  static constexpr std::string_view option = "values";
+  static size_t read_leading(std::string_view spec, const std::vector<std::string_view>& parts,
+                             CodecSpec& s) {
+    if (parts.size() < 2 || parts[1].empty()) bad_spec(spec, "topk needs a ratio, e.g. topk:0.01");
+    const std::string_view r = parts[1];
+    const auto [end, ec] = std::from_chars(r.data(), r.data() + r.size(), s.ratio);
+    if (ec != std::errc() || end != r.data() + r.size())
+      bad_spec(spec, "ratio '" + std::string(r) + "' is not a number");
+    if (!(s.ratio > 0.0 && s.ratio <= 1.0))
+      bad_spec(spec, "ratio " + std::string(r) + " must be in (0, 1]");
+    return 2;
+  }
+  static void read_option(std::string_view spec, std::string_view value, CodecSpec& s) {
+    if (value == "fp16") s.fp16_values = true;
+    else if (value == "fp32") s.fp16_values = false;
+    else bad_spec(spec, "values='" + std::string(value) + "' must be fp32 or fp16");
+  }
+  static void check(std::string_view spec, const CodecSpec& s) {
+    if (!(s.ratio > 0.0 && s.ratio <= 1.0))
+      bad_spec(spec, "top-k ratio " + std::to_string(s.ratio) + " must be in (0, 1]");
+    if (s.block != 0) bad_spec(spec, "top-k takes no block");
+  }
+  static std::string name(TopkCodec, const CodecSpec& s) {
+    char buf[64];
+    const auto res = std::to_chars(buf, buf + sizeof buf, s.ratio);  // shortest round-trip
+    std::string out = std::string(TopkCodec::spec_name) + ":" + std::string(buf, res.ptr);
+    if (s.fp16_values) out += ":values=fp16";
+    return out;
+  }
+  static uint32_t param(const Codec& c, uint64_t n) {
+    if (n > kTopkMaxCount)
+      throw Error(Status::invalid_argument,
+                  "gradzip: top-k supports at most 2^32 - 1 elements (32-bit indices), got " +
+                      std::to_string(n));
+    return static_cast<uint32_t>(c.topk_k(n));
+  }
+};
+
+template <class Self, CodecKind Kind, class Wire>
+CastRules rules_for(CastCodec<Self, Kind, Wire>) { return {}; }
+BlockwiseRules<Int8Codec> rules_for(Int8Codec) { return {}; }
+BlockwiseRules<SignCodec> rules_for(SignCodec) { return {}; }
+TopkRules rules_for(TopkCodec) { return {}; }
+
+// f(codec, its family's rules) for a known kind.
+template <class F>
+decltype(auto) with_rules(CodecKind kind, F&& f) {
+  return visit(kind, [&](auto c) -> decltype(auto) { return f(c, rules_for(c)); });
+}
+
+const char* spec_name(CodecKind kind) {
+  return visit(kind, [](auto c) { return decltype(c)::spec_name; });
+}
+
+// Every codec's name in enum order; the kinds are numbered from 0 up to the last known one.
+std::vector<std::string_view> spec_names() {
+  std::vector<std::string_view> names;
+  for (uint8_t k = 0; known_codec(static_cast<CodecKind>(k)); ++k)
+    names.push_back(spec_name(static_cast<CodecKind>(k)));
+  return names;
+}
+
+// The kind whose spec name is `name`; throws with the list of names when there is none.
+CodecKind kind_named(std::string_view spec, std::string_view name) {
+  const std::vector<std::string_view> names = spec_names();
+  std::string expected;  // "fp32, fp16, ... or topk"
+  for (size_t k = 0; k < names.size(); ++k) {
+    if (names[k] == name) return static_cast<CodecKind>(k);
+    expected += k == 0 ? "" : k + 1 < names.size() ? ", " : " or ";
+    expected += names[k];
+  }
+  bad_spec(spec, "unknown codec '" + std::string(name) + "' (expected " + expected + ")");
+}
+
+void validate(std::string_view spec, const CodecSpec& s) {
+  if (!known_codec(s.kind))
+    bad_spec(spec, "unknown codec kind " + std::to_string(static_cast<int>(s.kind)));
+  with_rules(s.kind, [&](auto, auto rules) { rules.check(spec, s); });
 }
 
 }  // namespace
@@ -84,27 +187,12 @@ Codec Codec::parse(std::string_view spec) {
   const std::vector<std::string_view> parts = split(spec, ':');
   const std::string_view name = parts[0];
   CodecSpec s;
-  size_t first_option = 1;
-  if (name == "fp32") s.kind = CodecKind::fp32;
-  else if (name == "fp16") s.kind = CodecKind::fp16;
-  else if (name == "bf16") s.kind = CodecKind::bf16;
-  else if (name == "int8") { s.kind = CodecKind::int8; s.block = kDefaultInt8Block; }
-  else if (name == "sign") { s.kind = CodecKind::sign; s.block = kDefaultSignBlock; }
-  else if (name == "topk") {
-    s.kind = CodecKind::topk;
-    if (parts.size() < 2 || parts[1].empty()) bad_spec(spec, "topk needs a ratio, e.g. topk:0.01");
-    const std::string_view r = parts[1];
-    const auto [end, ec] = std::from_chars(r.data(), r.data() + r.size(), s.ratio);
-    if (ec != std::errc() || end != r.data() + r.size())
-      bad_spec(spec, "ratio '" + std::string(r) + "' is not a number");
-    if (!(s.ratio > 0.0 && s.ratio <= 1.0))
-      bad_spec(spec, "ratio " + std::string(r) + " must be in (0, 1]");
-    first_option = 2;
-  } else {
-    bad_spec(spec, "unknown codec '" + std::string(name) +
-                       "' (expected fp32, fp16, bf16, int8, sign or topk)");
-  }
-  bool seen_block = false, seen_values = false;
+  s.kind = kind_named(spec, name);
+  const size_t first_option = with_rules(s.kind, [&](auto, auto rules) {
+    return rules.read_leading(spec, parts, s);
+  });
+  const std::string_view option = with_rules(s.kind, [](auto, auto rules) { return rules.option; });
+  bool seen_option = false;
   for (size_t i = first_option; i < parts.size(); ++i) {
     const std::string_view opt = parts[i];
     const size_t eq = opt.find('=');
@@ -112,39 +200,17 @@ Codec Codec::parse(std::string_view spec) {
     if (eq == std::string_view::npos)
       bad_spec(spec, "option '" + std::string(opt) + "' is not key=value");
     const std::string_view key = opt.substr(0, eq), value = opt.substr(eq + 1);
-    if (key == "block" && (s.kind == CodecKind::int8 || s.kind == CodecKind::sign)) {
-      if (seen_block) bad_spec(spec, "duplicate option 'block'");
-      seen_block = true;
-      s.block = parse_block(spec, value);
-    } else if (key == "values" && s.kind == CodecKind::topk) {
-      if (seen_values) bad_spec(spec, "duplicate option 'values'");
-      seen_values = true;
-      if (value == "fp16") s.fp16_values = true;
-      else if (value == "fp32") s.fp16_values = false;
-      else bad_spec(spec, "values='" + std::string(value) + "' must be fp32 or fp16");
-    } else {
+    if (option.empty() || key != option)
       bad_spec(spec, "unknown option '" + std::string(key) + "' for " + std::string(name));
-    }
+    if (seen_option) bad_spec(spec, "duplicate option '" + std::string(key) + "'");
+    seen_option = true;
+    with_rules(s.kind, [&](auto, auto rules) { rules.read_option(spec, value, s); });
   }
   return Codec(s);
 }
 
 std::string Codec::name() const {
-  switch (spec_.kind) {
-    case CodecKind::fp32: return "fp32";
-    case CodecKind::fp16: return "fp16";
-    case CodecKind::bf16: return "bf16";
-    case CodecKind::int8: return "int8:block=" + std::to_string(spec_.block);
-    case CodecKind::sign: return "sign:block=" + std::to_string(spec_.block);
-    case CodecKind::topk: {
-      char buf[64];
-      const auto res = std::to_chars(buf, buf + sizeof buf, spec_.ratio);  // shortest round-trip
-      std::string out = "topk:" + std::string(buf, res.ptr);
-      if (spec_.fp16_values) out += ":values=fp16";
-      return out;
-    }
-  }
-  return "?";
+  return with_rules(spec_.kind, [&](auto c, auto rules) { return rules.name(c, spec_); });
 }
 
 bool Codec::operator==(const Codec& o) const noexcept {
@@ -173,18 +239,7 @@ WireHeader Codec::wire_header(uint64_t n) const {
 }
 
 uint32_t Codec::wire_param(uint64_t n) const {
-  switch (spec_.kind) {
-    case CodecKind::int8:
-    case CodecKind::sign: return spec_.block;
-    case CodecKind::topk: {
-      if (n > kTopkMaxCount)
-        throw Error(Status::invalid_argument,
-                    "gradzip: top-k supports at most 2^32 - 1 elements (32-bit indices), got " +
-                        std::to_string(n));
-      return static_cast<uint32_t>(topk_k(n));
-    }
-    default: return 0;
-  }
+  return with_rules(spec_.kind, [&](auto, auto rules) { return rules.param(*this, n); });
 }
 
 size_t Codec::encoded_bytes(size_t n) const {

@@ -1,5 +1,5 @@
-// Device helpers of the blockwise encoders (int8.cu, sign.cu): one warp per codec block, and the
-// grid and header padding of such a launch. Included only by those two files.
+// What the blockwise encoders (int8.cu, sign.cu) share: one warp per codec block, and the launch
+// of such a kernel with its grid and header padding. Included only by those two files.
 #pragma once
 
 #include "common.cuh"
@@ -25,14 +25,21 @@ __device__ __forceinline__ bool warp_block(size_t n, uint32_t block, BlockGeom& 
   return true;
 }
 
-// A launch of one warp per codec block; block 0 zeroes the padding after the scales.
-struct Blockwise {
-  uint32_t pad_begin, pad_end;
-  unsigned grid;
-};
-inline Blockwise geometry(size_t n, uint32_t block, uint64_t section1) {
-  const uint64_t nb = ceil_div(n, block);
-  return {static_cast<uint32_t>(4 * nb), static_cast<uint32_t>(section1), grid_for(nb, kWarps)};
+// The encode kernel of a blockwise codec: (src, n, block, section1, out, header, pad_begin,
+// pad_end), where the payload's words start at section1 and [pad_begin, pad_end) is the padding
+// after the scales, which block 0 zeroes.
+using BlockwiseKernel = void(Source, size_t, uint32_t, uint64_t, uint8_t*, HeaderWords, uint32_t,
+                             uint32_t);
+
+// Launches kernel with one warp per codec block of the message that a describes.
+inline void launch_blockwise(BlockwiseKernel* kernel, const EncodeLaunch& a) {
+  const Source src{a.grad, a.residual, a.prescale};
+  const uint32_t block = a.param;
+  const uint64_t section1 = a.layout.section1;
+  const uint64_t blocks = ceil_div(a.n, block);
+  const auto pad_begin = static_cast<uint32_t>(4 * blocks);
+  kernel<<<grid_for(blocks, kWarps), kThreads, 0, a.stream>>>(
+      src, a.n, block, section1, a.out, a.header, pad_begin, static_cast<uint32_t>(section1));
 }
 
 }  // namespace gradzip::kernels

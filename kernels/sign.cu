@@ -94,13 +94,7 @@ __global__ void __launch_bounds__(kThreads)
 }  // namespace
 
 void launch_encode(SignCodec, const EncodeLaunch& a) {
-  const Source src{a.grad, a.residual, a.prescale};
-  const uint32_t block = a.param;
-  const uint64_t section1 = a.layout.section1;
-  const Blockwise b = geometry(a.n, block, section1);
-  auto* kernel = a.residual ? sign_encode_kernel<true> : sign_encode_kernel<false>;
-  kernel<<<b.grid, kThreads, 0, a.stream>>>(src, a.n, block, section1, a.out, a.header, b.pad_begin,
-                                            b.pad_end);
+  launch_blockwise(a.residual ? sign_encode_kernel<true> : sign_encode_kernel<false>, a);
 }
 
 }  // namespace gradzip::kernels

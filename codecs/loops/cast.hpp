@@ -1,15 +1,11 @@
 // fp32 / fp16 / bf16 CPU loops, one template over the codec (P: Fp32Codec, Fp16Codec or
 // Bf16Codec of gradzip/codec/cast.hpp): one pass, c rounded and the residual updated.
 #pragma once
-#ifndef GZ_ISA_NS
-#error "included by isa_loops.hpp only: compiled once per instruction set"
-#endif
 
 #include "common.hpp"
 
 namespace gradzip::detail {
 namespace {
-namespace el = gradzip::element;
 
 template <class P, bool EF>
 void cast_encode_loop(const float* __restrict g, float* __restrict r, float p, size_t n,

@@ -1,15 +1,11 @@
 // Top-k CPU passes (the selection that drives them is topk.cpp): first-digit histogram,
 // candidate collection, emit, and the sampled path's gather and residual passes.
 #pragma once
-#ifndef GZ_ISA_NS
-#error "included by isa_loops.hpp only: compiled once per instruction set"
-#endif
 
 #include "common.hpp"
 
 namespace gradzip::detail {
 namespace {
-namespace el = gradzip::element;
 
 constexpr int kShift0 = el::kTopkDigitShift[0];
 constexpr size_t kSub = 256;  // sub-block: vectorised pass into an L1 buffer, then a scalar pass

@@ -53,8 +53,8 @@ struct CodecSpec {
   bool fp16_values = false;  // topk
 };
 
-constexpr uint32_t kDefaultInt8Block = 256;
-constexpr uint32_t kDefaultSignBlock = 1024;
+constexpr uint32_t kDefaultInt8Block = Int8Codec::default_block;
+constexpr uint32_t kDefaultSignBlock = SignCodec::default_block;
 
 class Codec {
  public:

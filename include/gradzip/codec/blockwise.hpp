@@ -1,12 +1,17 @@
 // The wire rules int8 and sign share: a block size in the header, one f32 scale per block, zero
-// padding to 16 bytes, then the codec's second section (int8's q bytes, sign's words).
+// padding to 16 bytes, then the codec's second section of words (int8's q bytes, sign's u32
+// words), each word holding ElementsPerWord elements.
 #pragma once
 
 #include "gradzip/wire_types.hpp"
 
 namespace gradzip {
 
+template <class WordType, uint32_t ElementsPerWord>
 struct BlockwiseWire {
+  using Word = WordType;
+  static constexpr uint32_t kElementsPerWord = ElementsPerWord;
+
   // log2 of a power-of-two block.
   static GZ_HD int block_shift(uint32_t block) {
 #if defined(__CUDA_ARCH__)
@@ -23,6 +28,13 @@ struct BlockwiseWire {
   static GZ_HD constexpr uint64_t section1(uint64_t n, uint32_t block) {
     return align16(scale_bytes(n, block));
   }
+  // Payload: the scales, their padding, then ceil(n / kElementsPerWord) words.
+  static GZ_HD constexpr PayloadLayout layout(uint64_t n, uint32_t block, bool /*fp16_values*/) {
+    PayloadLayout l{};
+    l.section1 = section1(n, block);
+    l.bytes = l.section1 + sizeof(Word) * ceil_div(n, kElementsPerWord);
+    return l;
+  }
   static GZ_HD constexpr WireCheck check_params(const WireHeader& h) {
     if (!valid_block(h.param)) return {WireStatus::bad_param, h.param};
     if (h.flags != 0) return {WireStatus::bad_flags, h.flags};
@@ -36,6 +48,10 @@ struct BlockwiseWire {
   }
   static GZ_HD const float* scales(const uint8_t* payload) {
     return reinterpret_cast<const float*>(payload);
+  }
+  // The words of a payload of n elements.
+  static GZ_HD const Word* words(const uint8_t* payload, uint64_t n, uint32_t block) {
+    return reinterpret_cast<const Word*>(payload + section1(n, block));
   }
   // The padding after the scales is zero.
   static GZ_HD WireCheck check_scale_padding(const WireHeader& h, const uint8_t* payload) {

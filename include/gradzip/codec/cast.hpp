@@ -42,14 +42,17 @@ struct CastCodec {
 };
 
 struct Fp32Codec : CastCodec<Fp32Codec, CodecKind::fp32, float> {
+  static constexpr const char* spec_name = "fp32";
   static GZ_HD Wire encode(float c) { return c; }
   static GZ_HD float decode(Wire v) { return v; }
 };
 struct Fp16Codec : CastCodec<Fp16Codec, CodecKind::fp16, uint16_t> {
+  static constexpr const char* spec_name = "fp16";
   static GZ_HD Wire encode(float c) { return element::float_to_fp16(c); }
   static GZ_HD float decode(Wire v) { return element::fp16_to_float(v); }
 };
 struct Bf16Codec : CastCodec<Bf16Codec, CodecKind::bf16, uint16_t> {
+  static constexpr const char* spec_name = "bf16";
   static GZ_HD Wire encode(float c) { return element::float_to_bf16(c); }
   static GZ_HD float decode(Wire v) { return element::bf16_to_float(v); }
 };

@@ -53,15 +53,11 @@ GZ_HD float int8_dequantize(int8_t q, float scale) {
 
 }  // namespace element
 
-struct Int8Codec : BlockwiseWire {
+// Payload: ceil(n / block) f32 scales, padding to 16 bytes, then n int8.
+struct Int8Codec : BlockwiseWire<int8_t, 1> {
   static constexpr CodecKind kind = CodecKind::int8;
-  // Payload: ceil(n / block) f32 scales, padding to 16 bytes, then n int8.
-  static GZ_HD constexpr PayloadLayout layout(uint64_t n, uint32_t block, bool /*fp16_values*/) {
-    PayloadLayout l{};
-    l.section1 = section1(n, block);
-    l.bytes = l.section1 + n;
-    return l;
-  }
+  static constexpr const char* spec_name = "int8";
+  static constexpr uint32_t default_block = 256;
   static GZ_HD WireCheck check_padding(const WireHeader& h, const uint8_t* payload) {
     return check_scale_padding(h, payload);
   }
@@ -74,9 +70,7 @@ struct Int8Codec : BlockwiseWire {
   };
   static GZ_HD ElementDecoder element_decoder(const WireHeader& h, const uint8_t* payload,
                                               uint64_t first) {
-    const PayloadLayout l = layout(h.count, h.param, false);
-    return {reinterpret_cast<const int8_t*>(payload + l.section1),
-            scales(payload)[block_of(first, h.param)]};
+    return {words(payload, h.count, h.param), scales(payload)[block_of(first, h.param)]};
   }
 };
 

@@ -34,15 +34,11 @@ GZ_HD float sign_lane_tree(float* lanes) {
 
 }  // namespace element
 
-struct SignCodec : BlockwiseWire {
+// Payload: ceil(n / block) f32 scales, padding to 16 bytes, then ceil(n / 32) u32 sign words.
+struct SignCodec : BlockwiseWire<uint32_t, 32> {
   static constexpr CodecKind kind = CodecKind::sign;
-  // Payload: ceil(n / block) f32 scales, padding to 16 bytes, then ceil(n / 32) u32 sign words.
-  static GZ_HD constexpr PayloadLayout layout(uint64_t n, uint32_t block, bool /*fp16_values*/) {
-    PayloadLayout l{};
-    l.section1 = section1(n, block);
-    l.bytes = l.section1 + 4 * ceil_div(n, 32);
-    return l;
-  }
+  static constexpr const char* spec_name = "sign";
+  static constexpr uint32_t default_block = 1024;
   // The scales' padding is zero, and so are the bits of the last word past the count.
   static GZ_HD WireCheck check_padding(const WireHeader& h, const uint8_t* payload) {
     const WireCheck r = check_scale_padding(h, payload);
@@ -64,9 +60,7 @@ struct SignCodec : BlockwiseWire {
   };
   static GZ_HD ElementDecoder element_decoder(const WireHeader& h, const uint8_t* payload,
                                               uint64_t first) {
-    const PayloadLayout l = layout(h.count, h.param, false);
-    return {reinterpret_cast<const uint32_t*>(payload + l.section1)[first / 32],
-            scales(payload)[block_of(first, h.param)]};
+    return {words(payload, h.count, h.param)[first / 32], scales(payload)[block_of(first, h.param)]};
   }
 };
 

@@ -41,6 +41,7 @@ GZ_HD float topk_get_value(const void* values, uint64_t j, bool fp16) {
 
 struct TopkCodec {
   static constexpr CodecKind kind = CodecKind::topk;
+  static constexpr const char* spec_name = "topk";
   // Payload: k u32 indices, then k values.
   static GZ_HD constexpr PayloadLayout layout(uint64_t /*n*/, uint32_t k, bool fp16_values) {
     PayloadLayout l{};

@@ -110,35 +110,31 @@ def test_nonfinite_stays_visible_and_residual_unpoisoned():
         assert torch.isfinite(r).all(), spec
 
 
+def guarded_update(*reduced) -> torch.Tensor:
+    """A state tensor saved, updated (+1) and committed after the guard flagged `reduced`."""
+    state = torch.arange(5.0)
+    guard = torch.classes.gradzip.NonfiniteGuard()
+    guard.save([state])
+    state.add_(1.0)
+    for t in reduced:
+        guard.flag(t)
+    guard.commit()
+    return state
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 def test_guard_restores_after_any_nonfinite_value(bad):
     """The non-finite guard's flag of a reduced bucket: one bad value anywhere (in a full group of
     the CPU check's lanes, in its tail, in a non-contiguous or another dtype's tensor) voids the
     step's updates; finite extremes (the largest float, subnormals, -0.0) do not."""
-    n = 37
-    extremes = torch.tensor([3.4028235e38, -3.4028235e38, 1e-45, -0.0])
+    fine = torch.ones(37)
+    fine[:4] = torch.tensor([3.4028235e38, -3.4028235e38, 1e-45, -0.0])
+    assert torch.equal(guarded_update(fine), torch.arange(5.0) + 1.0)
     for where in (0, 15, 16, 36):
         for make in (lambda t: t, lambda t: t.repeat_interleave(2)[::2], lambda t: t.double()):
-            state = torch.arange(5.0)
-            guard = torch.classes.gradzip.NonfiniteGuard()
-            guard.save([state])
-            state.add_(1.0)
-            reduced = torch.ones(n)
-            reduced[:4] = extremes
-            guard.flag(make(reduced))
-            reduced[where] = bad
-            guard.flag(make(reduced))
-            guard.commit()
-            assert torch.equal(state, torch.arange(5.0)), (where, bad)
-    state = torch.arange(5.0)
-    guard = torch.classes.gradzip.NonfiniteGuard()
-    guard.save([state])
-    state.add_(1.0)
-    reduced = torch.ones(n)
-    reduced[:4] = extremes
-    guard.flag(reduced)
-    guard.commit()
-    assert torch.equal(state, torch.arange(5.0) + 1.0)
+            broken = fine.clone()
+            broken[where] = bad
+            assert torch.equal(guarded_update(make(fine), make(broken)), torch.arange(5.0)), where
 
 
 def test_canonical_spec():

@@ -150,7 +150,21 @@ def state_tensors(st) -> list:
     return [] if st is None else [t for t in st.tensors() if t is not None]
 
 
-class ReducerState:
+class Reporting:
+    """The codec and the last step's traffic of a reducer (``config`` and ``_stats`` set by it): the
+    hook's and FSDP's state objects, and the simulation, report alike."""
+
+    @property
+    def codec(self) -> str:
+        return self.config.codec
+
+    @property
+    def stats(self) -> dict:
+        """This rank's traffic in the last completed step (the simulation's: rank 0's)."""
+        return dict(self._stats.last)
+
+
+class ReducerState(Reporting):
     """What the DDP hook's and FSDP's states share: the settings, the step count, the traffic
     counters, the C++ reduction (built at the first call), the non-finite guard, settling a
     finished step, and pickling without the C++ objects."""
@@ -162,14 +176,6 @@ class ReducerState:
         self._runtime = None  # torch.classes.gradzip.CompressedAllreduce, built at the first call
         self._guard = config.new_guard()
         self._guard_step = 0  # the step whose residual updates the guard holds
-
-    @property
-    def codec(self) -> str:
-        return self.config.codec
-
-    @property
-    def stats(self) -> dict:
-        return dict(self._stats.last)
 
     def _commit(self) -> None:
         """Settles the finished step (all of its reductions are complete: DDP waited for their

@@ -15,13 +15,13 @@ import torch
 from . import _ops  # noqa: F401  (loads the extension that defines torch.classes.gradzip)
 from .bucket_state import StateStore, layout_numels, layout_rows
 from .plan import TrafficStats
-from .reducer import STATE_VERSION, ReducerConfig, state_tensors
+from .reducer import STATE_VERSION, ReducerConfig, Reporting, state_tensors
 from .wire import MIN_COMPRESS_NUMEL
 
 __all__ = ["SimulatedWorkers"]
 
 
-class SimulatedWorkers:
+class SimulatedWorkers(Reporting):
     """W workers in one process, each with its own error-feedback state, reduced with exactly the
     arithmetic of :func:`compress_hook` (the same C++ phases; the collectives done in memory).
 
@@ -58,15 +58,6 @@ class SimulatedWorkers:
         self._reductions = {}  # (bucket_index, numels, exact, device) -> a BucketReduction per rank
         if optimizer is not None:
             optimizer.attached = True
-
-    @property
-    def codec(self) -> str:
-        return self.config.codec
-
-    @property
-    def stats(self) -> dict:
-        """Rank 0's traffic in the last step, as ``CompressionState.stats``."""
-        return dict(self._stats.last)
 
     def residuals(self, rank: int = 0) -> List[torch.Tensor]:
         """The error-feedback residuals a worker holds (worker and owner, every bucket)."""

@@ -150,7 +150,8 @@ class CompressedAllreduce : public torch::CustomClassHolder {
   // CUDA: NaN-fills `result` on the device if a decode of `r`'s last step failed, and queues the
   // host-side check of its status words for check_errors().
   void watch_decodes(const BucketReduction& r, const at::Tensor& result, int64_t index);
-  // The codec reduce() compresses with, or the rank of a "lowrank:R" object (which has no codec).
+  // The codec reduce() and reduce_scatter() compress with; a "lowrank:R" object has none (it
+  // throws: lowrank reduces through reduce_lowrank).
   const Codec& codec() const;
 
   c10::intrusive_ptr<c10d::ProcessGroup> group_, gather_group_;

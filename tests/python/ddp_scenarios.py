@@ -86,11 +86,14 @@ def recording_hook(records):
 
 def make_optimizer(name, params):
     """None: torch's SGD on the averaged gradient; "adamw"/"sgd": gradzip.optim's, whose
-    update the hook computes."""
+    update the hook computes; "dgc": CompressedSGD with momentum masking and local clipping."""
     if name is None:
         return torch.optim.SGD(params, lr=0.05, momentum=0.9)
     if name == "adamw":
         return FrozenVarianceAdamW(params, lr=1e-3, weight_decay=0.01)
+    if name == "dgc":
+        return CompressedSGD(params, lr=0.05, momentum=0.9, momentum_masking=True,
+                             local_clip_norm=0.5)
     return CompressedSGD(params, lr=0.05, momentum=0.9)
 
 

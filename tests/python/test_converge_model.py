@@ -36,6 +36,20 @@ def test_forward_gives_positive_depth_at_input_resolution():
         get_config("vit-h14")
 
 
+def test_conv_model_gives_positive_depth_at_any_resolution():
+    torch.manual_seed(0)
+    model = build_model("conv-s")
+    y = model(torch.rand(2, 3, 37, 50))  # odd sizes: the decoder resizes to each skip's size
+    assert y.shape == (2, 1, 37, 50)
+    assert (y > 0).all() and torch.isfinite(y).all()
+    y.log().mean().backward()
+    assert all(p.grad is not None for p in model.parameters())
+    with pytest.raises(ValueError, match="no overrides"):
+        build_model("conv-s", depth=3)
+    with pytest.raises(ValueError, match="conv-s"):
+        get_config("conv-xl")
+
+
 @pytest.mark.parametrize("mode, align_corners, size, out", [
     ("bilinear", True, (6, 5), (12, 10)),  # the head's 2x upsampling
     ("bilinear", True, (6, 6), (84, 84)),  # to the input size

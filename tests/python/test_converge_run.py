@@ -77,6 +77,22 @@ def test_the_recipe_picks_the_optimizer_and_its_warmup(codec, optimizer, warmup)
     assert compress_warmup_steps(replace(cfg, compress_warmup=5)) == 5
 
 
+@pytest.mark.parametrize("codec,optimizer", [
+    ("topk:0.01:values=fp16", "compressed-sgd"), ("sign", "sgd"), ("int8", "sgd"),
+    ("fp32", "sgd")])
+def test_the_sgd_recipe_picks_compressed_sgd_for_topk_only(codec, optimizer):
+    cfg = replace(TINY, codec=codec, optimizer_family="sgd")
+    assert (optimizer_name(cfg), compress_warmup_steps(cfg)) == (optimizer, 0)
+    dgc = replace(cfg, momentum_masking=True, local_clip_norm=2.0)
+    if optimizer == "compressed-sgd":
+        assert dgc.name == f"{codec}+mask+clip2" and optimizer_name(dgc) == optimizer
+    else:  # the options belong to CompressedSGD: asking torch's SGD for them is an error
+        with pytest.raises(ValueError, match="CompressedSGD's options"):
+            optimizer_name(dgc)
+    with pytest.raises(ValueError, match="optimizer_family"):
+        optimizer_name(replace(cfg, optimizer_family="adam"))
+
+
 def test_the_recipe_run_is_the_run_that_spells_it_out(tmp_path):
     """cpu-default's sign run under the recipe trains exactly as cpu-recipes' run that names the
     optimizer and warm-up."""

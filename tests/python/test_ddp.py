@@ -85,6 +85,7 @@ TRAIN += [(f"{codec.split(':')[0]}_uncompressed", {"codec": codec, "uncompressed
           for codec in ("int8", "sign:block=64")]
 DIRECTION = [("adamw_sign", {"codec": "sign:block=64", "optimizer": "adamw", "steps": 4}),
              ("sgd_topk", {"codec": "topk:0.1", "optimizer": "sgd", "steps": 4}),
+             ("dgc_topk", {"codec": "topk:0.1:values=fp16", "optimizer": "dgc", "steps": 4}),
              ("adamw_int8_warmup", {"codec": "int8", "optimizer": "adamw", "warmup": 2, "steps": 4})]
 UNUSED = [(f"unused_{c.split(':')[0]}", {"codec": c, "unused_branch": True, "find_unused": True,
                                           "bucket_view": True, "steps": 3})

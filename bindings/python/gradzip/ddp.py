@@ -214,7 +214,7 @@ class CompressionState(ReducerState):
             # Before any update (an overflow step undoes all): the moments the direction updates
             # here; the C++ reduction saves the residuals and Q factors it updates itself.
             self._guard.save(st.moments)
-        cfg.apply_direction(x, st, compressed)
+        selected = cfg.apply_direction(x, st, compressed, self._world, numels, exact)
         if cfg.plan.lowrank_rank and compressed:
             fut = self._runtime_of_step().reduce_lowrank(index, bucket_view, x, numels, rows,
                                                          st.residual, st.q)
@@ -230,7 +230,7 @@ class CompressionState(ReducerState):
         def finish(f):
             out = f.value()[0]
             avg = out if out.dtype == torch.float32 else out.float()
-            cfg.finish_direction(avg, st, compressed)
+            cfg.finish_direction(avg, st, compressed, selected)
             if avg is not out:
                 out.copy_(avg)
             return [out]

@@ -22,7 +22,12 @@ running exact AdamW. Every rank updates m and v from the same averaged bits, so 
 identical.
 
 ``CompressedSGD`` is SGD with momentum with momentum correction, as Deep Gradient Compression:
-each rank accumulates its own velocity and the velocity is compressed.
+each rank accumulates its own velocity and the velocity is compressed. DGC's two other pieces for
+top-k are options: ``momentum_masking`` (a coordinate this rank's top-k has just sent restarts its
+velocity from zero: what was sent already carried its accumulated momentum, and the stale velocity
+would push the same coordinate again) and ``local_clip_norm`` (each rank clips its gradient before
+it enters the velocity, so that the residual accumulated over the steps a coordinate waits stays
+bounded).
 
     opt = gradzip.optim.FrozenVarianceAdamW(model.parameters(), lr=1e-3, weight_decay=0.05)
     state = gradzip.ddp.CompressionState("sign", warmup_steps=60, optimizer=opt)
@@ -78,41 +83,68 @@ class _Direction:
     ``finish_`` turns the average into what ``opt.step()`` applies (``p -= lr * (x + wd * p)``).
     ``moments``: this rank's ``buffers`` state tensors of the bucket; ``t``: 1-based count of the
     updates they have seen; ``warmup_steps``: the compression's warm-up (CompressionState's);
-    ``compressed``: whether this step's bucket is compressed."""
+    ``compressed``: whether this step's bucket is compressed; ``world``: the number of ranks;
+    ``sent``: where ``masks_sent`` is True and the bucket went through top-k with error feedback,
+    a bool tensor of the coordinates this rank's top-k sent (else None)."""
 
     buffers = 0
     needs_warmup = False  # True: CompressionState's warmup_steps must be >= 1
     # True: the moments are computed from the average alone, so they are the same on every rank
     # and stay valid at another world size (an elastic restart keeps them).
     moments_shared = False
+    masks_sent = False  # True: finish_ wants the coordinates this rank's top-k sent
 
     def apply_(self, g: torch.Tensor, moments: list, t: int, warmup_steps: int,
-               compressed: bool) -> torch.Tensor:
+               compressed: bool, world: int) -> torch.Tensor:
         return g
 
     def finish_(self, avg: torch.Tensor, moments: list, t: int, warmup_steps: int,
-                compressed: bool) -> torch.Tensor:
+                compressed: bool, sent=None) -> torch.Tensor:
         return avg
 
 
 class MomentumDirection(_Direction):
-    """``g <- u = momentum * u + g`` (Nesterov: ``g + momentum * u``) with this rank's velocity."""
+    """``g <- u = momentum * u + g`` (Nesterov: ``g + momentum * u``) with this rank's velocity.
+
+    On compressed steps only (uncompressed ones are exactly SGD with momentum):
+    ``local_clip_norm`` clips each rank's gradient of a bucket to an L2 norm of
+    ``local_clip_norm / sqrt(world)`` before it enters the velocity (DGC's local clipping; the hook
+    sees one bucket at a time, so the threshold is per bucket); ``momentum_masking`` zeroes the
+    velocity where this rank's top-k sent (DGC's momentum factor masking)."""
 
     buffers = 1
 
-    def __init__(self, momentum: float = 0.9, nesterov: bool = False):
+    def __init__(self, momentum: float = 0.9, nesterov: bool = False,
+                 momentum_masking: bool = False, local_clip_norm: float | None = None):
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"gradzip.optim: momentum must be in [0, 1), got {momentum}")
+        if local_clip_norm is not None and not local_clip_norm > 0.0:
+            raise ValueError(f"gradzip.optim: local_clip_norm must be > 0 (or None), got "
+                             f"{local_clip_norm}")
         self.momentum, self.nesterov = float(momentum), bool(nesterov)
+        self.masks_sent = bool(momentum_masking)
+        self.local_clip_norm = None if local_clip_norm is None else float(local_clip_norm)
 
     def apply_(self, g: torch.Tensor, moments: list, t: int, warmup_steps: int,
-               compressed: bool) -> torch.Tensor:
+               compressed: bool, world: int) -> torch.Tensor:
         (u,) = moments
+        if compressed and self.local_clip_norm is not None:
+            bound = self.local_clip_norm / world ** 0.5
+            norm = float(torch.linalg.vector_norm(g))
+            if norm > bound:  # a NaN norm passes through: the non-finite guard sees it
+                g.mul_(bound / norm)
         u.mul_(self.momentum).add_(g)
         return g.add_(u, alpha=self.momentum) if self.nesterov else g.copy_(u)
 
+    def finish_(self, avg: torch.Tensor, moments: list, t: int, warmup_steps: int,
+                compressed: bool, sent=None) -> torch.Tensor:
+        if sent is not None:
+            moments[0].masked_fill_(sent, 0.0)
+        return avg
+
     def describe(self) -> str:
-        return f"momentum({self.momentum!r} nesterov={int(self.nesterov)})"
+        return (f"momentum({self.momentum!r} nesterov={int(self.nesterov)} "
+                f"masking={int(self.masks_sent)} local_clip_norm={self.local_clip_norm!r})")
 
 
 class FrozenVarianceAdam(_Direction):
@@ -152,7 +184,7 @@ class FrozenVarianceAdam(_Direction):
         return (1.0 - b1) / (1.0 - b2) ** 0.5
 
     def apply_(self, g: torch.Tensor, moments: list, t: int, warmup_steps: int,
-               compressed: bool) -> torch.Tensor:
+               compressed: bool, world: int) -> torch.Tensor:
         if compressed:  # this rank's candidate momentum, preconditioned: linear in its gradient
             m, v = moments
             b1 = self.betas[0]
@@ -162,7 +194,7 @@ class FrozenVarianceAdam(_Direction):
         return g
 
     def finish_(self, avg: torch.Tensor, moments: list, t: int, warmup_steps: int,
-                compressed: bool) -> torch.Tensor:
+                compressed: bool, sent=None) -> torch.Tensor:
         m, v = moments
         b1, b2 = self.betas
         if compressed:  # avg: the averaged momentum over the frozen denominator
@@ -224,9 +256,12 @@ class FrozenVarianceAdamW(_AppliesDirection):
 
 class CompressedSGD(_AppliesDirection):
     """SGD with momentum, the velocity kept per rank and compressed (momentum correction);
-    decoupled weight decay (``p -= lr * wd * p``)."""
+    decoupled weight decay (``p -= lr * wd * p``). ``momentum_masking`` and ``local_clip_norm``:
+    Deep Gradient Compression's momentum factor masking (top-k with error feedback) and local
+    gradient clipping, on compressed steps (see MomentumDirection)."""
 
     def __init__(self, params, lr: float = 1e-2, momentum: float = 0.9,
-                 weight_decay: float = 0.0, nesterov: bool = False):
+                 weight_decay: float = 0.0, nesterov: bool = False,
+                 momentum_masking: bool = False, local_clip_norm: float | None = None):
         super().__init__(params, {"lr": lr, "weight_decay": weight_decay},
-                         MomentumDirection(momentum, nesterov))
+                         MomentumDirection(momentum, nesterov, momentum_masking, local_clip_norm))

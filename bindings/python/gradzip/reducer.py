@@ -133,17 +133,37 @@ class ReducerConfig:
             owner = (bounds[rank], bounds[rank + 1] - bounds[rank])
         return store.get(index, layout, self.error_feedback, owner, moments, device, q_rank)
 
-    def apply_direction(self, x: torch.Tensor, st, compressed: bool) -> None:
-        """Turns this rank's gradient ``x`` into what it sends for the optimizer, in place."""
-        if self.direction is not None:
-            st.updates += 1
-            self.direction.apply_(x, st.moments, st.updates, self.warmup_steps, compressed)
+    def apply_direction(self, x: torch.Tensor, st, compressed: bool, world: int,
+                        numels: List[int], exact: List[bool]) -> Optional[torch.Tensor]:
+        """Turns this rank's gradient ``x`` into what it sends for the optimizer, in place.
+        Returns, where the direction masks what top-k sent, what the top-k encoder selects from
+        (``x / world + residual``, zero on the tensors that travel exact), for finish_direction;
+        else None."""
+        if self.direction is None:
+            return None
+        st.updates += 1
+        self.direction.apply_(x, st.moments, st.updates, self.warmup_steps, compressed, world)
+        if not (compressed and self.direction.masks_sent and self.plan.kind == "topk"
+                and st.residual is not None):
+            return None
+        selected_from = torch.add(st.residual, x, alpha=1.0 / world)
+        offset = 0
+        for m, is_exact in zip(numels, exact):
+            if is_exact:
+                selected_from[offset:offset + m] = 0.0
+            offset += m
+        return selected_from
 
-    def finish_direction(self, avg: torch.Tensor, st, compressed: bool) -> None:
+    def finish_direction(self, avg: torch.Tensor, st, compressed: bool,
+                         selected_from: Optional[torch.Tensor] = None) -> None:
         """Turns the average ``avg`` into what the optimizer applies, in place (after
-        apply_direction of the same step)."""
-        if self.direction is not None:
-            self.direction.finish_(avg, st.moments, st.updates, self.warmup_steps, compressed)
+        apply_direction of the same step, given what it returned)."""
+        if self.direction is None:
+            return
+        # A sent coordinate keeps at most the rounding of its value as residual (fp16 values:
+        # 2^-11 of it); one not sent keeps all of it (to within an FMA's rounding).
+        sent = None if selected_from is None else st.residual.abs() < 0.5 * selected_from.abs()
+        self.direction.finish_(avg, st.moments, st.updates, self.warmup_steps, compressed, sent)
 
 
 def state_tensors(st) -> list:

@@ -103,10 +103,11 @@ class SimulatedWorkers(Reporting):
         self._stats.add(plan, numels, world, 0, rows, exact)
         states = [cfg.bucket_state(self._ef[r], bucket_index, layout, world, r, flats[r].device)
                   for r in range(world)]
+        selected = [None] * world
         for r in range(world):
             if self._guards[r] is not None:
                 self._guards[r].save(state_tensors(states[r]))
-            cfg.apply_direction(flats[r], states[r], compressed)
+            selected[r] = cfg.apply_direction(flats[r], states[r], compressed, world, numels, exact)
         if plan is None:
             out = torch.zeros_like(flats[0])
             for f in flats:
@@ -122,8 +123,8 @@ class SimulatedWorkers(Reporting):
             outs = [torch.empty_like(f) for f in flats]
             run_simulated(self._bucket_reductions(plan, bucket_index, numels, exact, flats[0]),
                           flats, states if compressed else [None] * world, outs)
-        for o, st in zip(outs, states):
-            cfg.finish_direction(o, st, compressed)
+        for o, st, sel in zip(outs, states, selected):
+            cfg.finish_direction(o, st, compressed, sel)
         for g, o in zip(self._guards, outs):
             if g is not None:
                 g.flag(o)

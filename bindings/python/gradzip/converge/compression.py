@@ -19,34 +19,35 @@ import math
 
 import torch
 
+from ..costmodel import FIRST_BUCKET_BYTES, ddp_buckets
 from ..wire import MIN_COMPRESS_NUMEL  # CompressionState's default: tiny buckets stay uncompressed
 
 BASELINE = "fp32"
-_NEVER = 1 << 62
-FIRST_BUCKET_BYTES = 1 << 20  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
+NEVER_COMPRESS = 1 << 62  # a min_compress_numel no bucket reaches: the baseline runs
 
 
 def canonical_codec(codec: str) -> str:
     return BASELINE if codec in ("none", "fp32") else codec
 
 
+def baseline_or_codec(codec: str, error_feedback: bool) -> dict:
+    """The reduction's error_feedback and min_compress_numel: the baseline keeps no state and
+    compresses no bucket (a plain fp32 all-reduce), a codec its defaults."""
+    baseline = canonical_codec(codec) == BASELINE
+    return {"error_feedback": error_feedback and not baseline,
+            "min_compress_numel": NEVER_COMPRESS if baseline else MIN_COMPRESS_NUMEL}
+
+
 def bucket_bounds(numels: list[int], cap_bytes: int,
                   first_cap_bytes: int = FIRST_BUCKET_BYTES) -> list[tuple[int, int]]:
     """(start, end) element ranges of the buckets of a flat fp32 gradient laid out in parameter
-    order, cut as DDP's reducer cuts them after its first-iteration rebuild: parameters taken in
-    reverse order (the order backward produces them), a bucket closed as soon as it reaches its
-    cap, the first bucket capped at ``first_cap_bytes``. Returned in bucket-index order."""
-    bounds = []
-    off = end = sum(numels)
-    size, limit = 0, first_cap_bytes
-    for n in reversed(numels):
-        off -= n
-        size += 4 * n
-        if size >= limit:
-            bounds.append((off, end))
-            end, size, limit = off, 0, cap_bytes
-    if end > 0:
-        bounds.append((0, end))
+    order, cut as DDP's reducer cuts them (gradzip.costmodel.ddp_buckets). Returned in
+    bucket-index order."""
+    bounds, end = [], sum(numels)
+    for bucket in ddp_buckets([(n,) for n in numels], cap_bytes, first_cap_bytes):
+        size = sum(shape[0] for shape in bucket)
+        bounds.append((end - size, end))
+        end -= size
     return bounds
 
 
@@ -75,10 +76,9 @@ class Reducer:
         self.param_shapes = param_shapes
         self.cap_bytes = int(bucket_cap_mb * 2**20)
         self.first_bucket_bytes = first_bucket_bytes
-        baseline = self.codec == BASELINE
-        self._sim = SimulatedWorkers(self.codec, workers, error_feedback=error_feedback and not
-                                     baseline, min_compress_numel=_NEVER if baseline else
-                                     MIN_COMPRESS_NUMEL, warmup_steps=warmup_steps,
+        self._sim = SimulatedWorkers(self.codec, workers,
+                                     **baseline_or_codec(self.codec, error_feedback),
+                                     warmup_steps=warmup_steps,
                                      optimizer=optimizer, warmup_codec=warmup_codec,
                                      uncompressed_numel=uncompressed_numel)
         self.bytes_per_step = 0  # bytes one worker sent in the last step

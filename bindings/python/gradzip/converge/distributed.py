@@ -27,8 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ..wire import MIN_COMPRESS_NUMEL
-from .compression import _NEVER, BASELINE
+from .compression import baseline_or_codec
 from .output import Progress, clear_results, summarise, write_suite_json
 from .training import (RunConfig, RunFiles, batch_indices, compress_warmup_steps, data_key,
                        eval_due, evaluate, finish, hook_optimizer, load_data, log_eval, make_model,
@@ -54,10 +53,8 @@ class _DDP:
         self.forward = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None,
                            bucket_cap_mb=cfg.bucket_cap_mb)
         self.opt, self.sched = make_optimizer(cfg, self.model)
-        baseline = cfg.codec == BASELINE
         self.state = CompressionState(
-            cfg.codec, error_feedback=cfg.error_feedback and not baseline,
-            min_compress_numel=_NEVER if baseline else MIN_COMPRESS_NUMEL,
+            cfg.codec, **baseline_or_codec(cfg.codec, cfg.error_feedback),
             warmup_steps=compress_warmup_steps(cfg), optimizer=hook_optimizer(self.opt),
             warmup_codec=cfg.warmup_codec, uncompressed_numel=cfg.uncompressed_numel)
         self.forward.register_comm_hook(self.state, compress_hook)
@@ -75,14 +72,14 @@ class _FSDP:
         import gradzip.fsdp
 
         self.model = self.forward = make_model(cfg, device)
+        if not hasattr(self.model, "encoder"):
+            raise ValueError(f"--strategy fsdp shards a ViT's blocks; {cfg.model} has none")
         for block in self.model.encoder.blocks:
             fully_shard(block)
         fully_shard(self.model)
         self.opt, self.sched = make_optimizer(cfg, self.model, compress_direction=False)
-        baseline = cfg.codec == BASELINE
         self.state = gradzip.fsdp.compress(
-            self.model, cfg.codec, error_feedback=cfg.error_feedback and not baseline,
-            min_compress_numel=_NEVER if baseline else MIN_COMPRESS_NUMEL,
+            self.model, cfg.codec, **baseline_or_codec(cfg.codec, cfg.error_feedback),
             warmup_steps=cfg.compress_warmup or 0,  # FSDP's optimizer is torch's AdamW
             param_codec=cfg.param_codec, uncompressed_numel=cfg.uncompressed_numel)
 

@@ -64,7 +64,10 @@ def get_config(name: str, **overrides) -> ViTConfig:
     try:
         cfg = CONFIGS[name]
     except KeyError:
-        raise ValueError(f"unknown model {name!r}; known: {', '.join(CONFIGS)}") from None
+        from .conv_depth import CONV_CONFIGS
+
+        raise ValueError(f"unknown model {name!r}; known: "
+                         f"{', '.join([*CONFIGS, *CONV_CONFIGS])}") from None
     return replace(cfg, **overrides) if overrides else cfg
 
 
@@ -307,7 +310,14 @@ class DepthModel(nn.Module):
         return torch.exp(log_depth.float().clamp(-10.0, 10.0))
 
 
-def build_model(name: str, **overrides) -> DepthModel:
+def build_model(name: str, **overrides) -> nn.Module:
+    """A depth model by name: a ViT/14 + DPT (CONFIGS) or a small U-Net (conv_depth.CONV_CONFIGS)."""
+    from .conv_depth import CONV_CONFIGS, ConvDepthModel  # it imports this module's constants
+
+    if name in CONV_CONFIGS:
+        if overrides:
+            raise ValueError(f"{name}: a conv model takes no overrides, got {sorted(overrides)}")
+        return ConvDepthModel(name)
     return DepthModel(get_config(name, **overrides))
 
 

@@ -22,6 +22,15 @@ RECIPES = (("fp32", False), ("sign", True, FROZEN), ("sign", False, FROZEN),
            ("sign", True, FROZEN_BF16), ("topk:0.01:values=fp16", True, FROZEN_BF16))
 
 
+# Under SGD with momentum (a small U-Net, cpu-sgd): the recipe (top-k: CompressedSGD with momentum
+# correction; the others: the compressed gradient for torch's SGD), top-k with DGC's momentum
+# masking and local clipping, and without error feedback.
+DGC = {"momentum_masking": True, "local_clip_norm": 1.0}
+SGD_STUDY = (("fp32", False), ("bf16", True), ("int8", True), ("sign", True), ("sign", False),
+             ("topk:0.01:values=fp16", True), ("topk:0.01:values=fp16", False),
+             ("topk:0.01:values=fp16", True, DGC))
+
+
 @dataclass(frozen=True)
 class Suite:
     name: str
@@ -40,6 +49,10 @@ CPU_DEFAULT = RunConfig(model="vit-t14", image_size=84, workers=4, batch_per_wor
                         warmup_steps=60, lr=2e-3, train_scenes=4096, test_scenes=256,
                         eval_every=100)
 
+CPU_SGD = RunConfig(model="conv-s", image_size=56, workers=4, batch_per_worker=4, steps=600,
+                    warmup_steps=30, lr=0.05, weight_decay=0.0, optimizer_family="sgd",
+                    train_scenes=4096, test_scenes=256, eval_every=100)
+
 SUITES = {
     "cpu-default": Suite(
         "cpu-default",
@@ -52,6 +65,11 @@ SUITES = {
         "cpu-default's sign and top-k 1 % under the frozen-variance Adam (60 uncompressed "
         "steps, or 60 steps in bf16: +w60:bf16), with and without error feedback, named by "
         "optimizer and warm-up"),
+    "cpu-sgd": Suite(
+        "cpu-sgd",
+        CPU_SGD, SGD_STUDY, "cpu",
+        "a small convolutional depth model (conv-s, 56 px) under SGD with momentum 0.9, "
+        "4 simulated workers, 600 steps: the SGD recipes, DGC's masking and clipping for top-k"),
     "cpu-smoke": Suite(
         "cpu-smoke",
         RunConfig(model="vit-t14", image_size=56, workers=2, batch_per_worker=2, steps=30,

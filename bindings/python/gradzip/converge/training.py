@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from ..optim import FrozenVarianceAdamW
+from ..optim import CompressedSGD, FrozenVarianceAdamW
 from ..optim import compresses_direction as recipe
 from .compression import BASELINE, Reducer, canonical_codec
 from .datasets import ProceduralDepth, materialize, open_dataset
@@ -53,6 +53,9 @@ class RunConfig:
     codec: str = BASELINE
     error_feedback: bool = True
     optimizer: str = "recipe"  # one of OPTIMIZERS, or "recipe": gradzip.optim.compresses_direction's
+    optimizer_family: str = "adamw"  # what "recipe" chooses within: "adamw" or "sgd" (momentum 0.9)
+    momentum_masking: bool = False  # compressed-sgd: DGC's momentum factor masking (top-k)
+    local_clip_norm: float | None = None  # compressed-sgd: DGC's local gradient clipping
     compress_warmup: int | None = None  # the first steps uncompressed (exact fp32 averages, bytes
     # counted); None: the optimizer's need (compress_warmup_steps)
     warmup_codec: str | None = None  # the warm-up's buckets in this codec (e.g. bf16; no error
@@ -76,6 +79,8 @@ class RunConfig:
         name = codec if self.error_feedback or codec == BASELINE else f"{codec}-noef"
         if self.optimizer != "recipe":
             name += f"+{self.optimizer}"
+        name += "+mask" if self.momentum_masking else ""
+        name += f"+clip{self.local_clip_norm:g}" if self.local_clip_norm is not None else ""
         name += f"+w{self.compress_warmup}" if self.compress_warmup is not None else ""
         name += f":{canonical_codec(self.warmup_codec)}" if self.warmup_codec else ""
         name += f"+u{self.uncompressed_numel}" if self.uncompressed_numel else ""
@@ -159,26 +164,40 @@ def load_data(cfg: RunConfig, cache: Path | None = None) -> tuple[dict, dict]:
 def make_model(cfg: RunConfig, device: torch.device) -> torch.nn.Module:
     torch.manual_seed(cfg.seed)  # every codec starts from the same weights
     model = build_model(cfg.model)
+    if cfg.weights and not hasattr(model, "encoder"):
+        raise ValueError(f"{cfg.model} has no pretrained encoder to load {cfg.weights} into")
     if cfg.weights:
         load_encoder_weights(model.encoder, cfg.weights)
     return model.to(device)
 
 
 # The optimizers a run can name; gradzip.optim's need the Reducer or CompressionState to be given
-# them (hook_optimizer). Betas and eps: AdamW's defaults for all.
-OPTIMIZERS = {"adamw": torch.optim.AdamW, "frozen-variance-adamw": FrozenVarianceAdamW}
+# them (hook_optimizer). Betas and eps: AdamW's defaults for all; SGD's momentum 0.9 (torch's SGD
+# couples its weight decay to the gradient, CompressedSGD decouples it: the SGD suite runs none).
+OPTIMIZERS = {"adamw": torch.optim.AdamW, "frozen-variance-adamw": FrozenVarianceAdamW,
+              "sgd": torch.optim.SGD, "compressed-sgd": CompressedSGD}
+FAMILIES = {"adamw": ("adamw", "frozen-variance-adamw"), "sgd": ("sgd", "compressed-sgd")}
 
 
 def optimizer_name(cfg: RunConfig) -> str:
     """The run's optimizer; "recipe" resolves to gradzip.optim.compresses_direction's choice for
-    the codec under AdamW (FrozenVarianceAdamW where it is a gradzip.optim optimizer)."""
+    the codec in the run's optimizer family (the gradzip.optim optimizer where it is one)."""
+    if cfg.optimizer_family not in FAMILIES:
+        raise ValueError(f"unknown optimizer_family {cfg.optimizer_family!r}; known: "
+                         f"{', '.join(FAMILIES)}")
     if cfg.optimizer != "recipe":
         if cfg.optimizer not in OPTIMIZERS:
             raise ValueError(f"unknown optimizer {cfg.optimizer!r}; known: recipe, "
                              f"{', '.join(OPTIMIZERS)}")
-        return cfg.optimizer
-    direction = canonical_codec(cfg.codec) != BASELINE and recipe(cfg.codec, "adamw")
-    return "frozen-variance-adamw" if direction else "adamw"
+        name = cfg.optimizer
+    else:
+        direction = (canonical_codec(cfg.codec) != BASELINE
+                     and recipe(cfg.codec, cfg.optimizer_family))
+        name = FAMILIES[cfg.optimizer_family][int(bool(direction))]
+    if (cfg.momentum_masking or cfg.local_clip_norm is not None) and name != "compressed-sgd":
+        raise ValueError(f"{cfg.name}: momentum_masking and local_clip_norm are CompressedSGD's "
+                         f"options; this run's optimizer is {name}")
+    return name
 
 
 def compress_warmup_steps(cfg: RunConfig) -> int:
@@ -196,15 +215,20 @@ def hook_optimizer(opt):
 
 
 def make_optimizer(cfg: RunConfig, model: torch.nn.Module, compress_direction: bool = True):
-    """The run's optimizer (optimizer_name) and its schedule; torch's AdamW where
+    """The run's optimizer (optimizer_name) and its schedule; torch's optimizer of the family where
     ``compress_direction`` is False (FSDP, whose reduce-scatter computes no direction)."""
     decay, no_decay = [], []
     for n, p in model.named_parameters():  # no decay on norms, biases, tokens and LayerScale
         (no_decay if p.ndim <= 1 or n.endswith(("cls_token", "pos_embed")) else decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    name = optimizer_name(cfg) if compress_direction else "adamw"
-    opt = OPTIMIZERS[name](groups, lr=cfg.lr)
+    name = optimizer_name(cfg)
+    if not compress_direction:
+        name = FAMILIES[cfg.optimizer_family][0]
+    options = {"sgd": {"momentum": 0.9},
+               "compressed-sgd": {"momentum": 0.9, "momentum_masking": cfg.momentum_masking,
+                                  "local_clip_norm": cfg.local_clip_norm}}.get(name, {})
+    opt = OPTIMIZERS[name](groups, lr=cfg.lr, **options)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_factor(s, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio))
     return opt, sched

@@ -281,8 +281,11 @@ def numel(shape: Shape) -> int:
     return math.prod(shape)
 
 
+FIRST_BUCKET_BYTES = 2**20  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
+
+
 def ddp_buckets(shapes: Sequence[Shape], cap_bytes: int = 25 * 2**20,
-                first_cap_bytes: int = 2**20, element_bytes: int = 4) -> list[list[Shape]]:
+                first_cap_bytes: int = FIRST_BUCKET_BYTES, element_bytes: int = 4) -> list[list[Shape]]:
     """DDP's bucket assignment after its rebuild: parameters in reverse order (the order their
     gradients become ready), a bucket closes once it reaches its cap; the first cap is small."""
     buckets: list[list[Shape]] = []

@@ -137,8 +137,8 @@ struct TopkRules {
   }
 };
 
-template <class Self, CodecKind Kind, class Wire>
-CastRules rules_for(CastCodec<Self, Kind, Wire>) { return {}; }
+template <class Self, CodecKind Kind, class Wire, DType D>
+CastRules rules_for(CastCodec<Self, Kind, Wire, D>) { return {}; }
 BlockwiseRules<Int8Codec> rules_for(Int8Codec) { return {}; }
 BlockwiseRules<SignCodec> rules_for(SignCodec) { return {}; }
 TopkRules rules_for(TopkCodec) { return {}; }
@@ -233,7 +233,7 @@ WireHeader Codec::wire_header(uint64_t n) const {
   h.dtype = static_cast<uint8_t>(DType::f32);
   h.count = n;
   h.param = wire_param(n);
-  h.flags = spec_.kind == CodecKind::topk && spec_.fp16_values ? kTopkFlagFp16Values : 0u;
+  h.flags = spec_.fp16_values ? kTopkFlagFp16Values : 0u;  // only top-k's rules accept it
   h.payload_bytes = payload_layout(h).bytes;
   return h;
 }

@@ -10,10 +10,14 @@
 namespace gradzip {
 namespace {
 
+// Whether the header's param is a block size (its codec's traits: block_scaled). Asked only of
+// headers whose codec is known: check_params rejects params and flags after the codec check.
+bool block_param(const WireHeader& h) {
+  return visit(static_cast<CodecKind>(h.codec), [](auto c) { return c.block_scaled; });
+}
+
 std::string why(const WireCheck& r, const WireHeader& h, size_t bytes, const uint8_t* payload) {
   using std::to_string;
-  const auto kind = static_cast<CodecKind>(h.codec);
-  const bool cast = kind == CodecKind::fp32 || kind == CodecKind::fp16 || kind == CodecKind::bf16;
   switch (r.status) {
     case WireStatus::ok: break;
     case WireStatus::bad_magic: return "bad magic (not a gradzip message)";
@@ -26,15 +30,15 @@ std::string why(const WireCheck& r, const WireHeader& h, size_t bytes, const uin
     case WireStatus::bad_count:
       if (h.count > kMaxCount) return "element count " + to_string(h.count) + " too large";
       return "top-k count exceeds 32-bit indices";
-    case WireStatus::bad_param:
-      if (cast) return "param must be 0 for a cast, got " + to_string(h.param);
+    case WireStatus::bad_param:  // a cast's or a block's; top-k's k is bad_k
+      if (!block_param(h)) return "param must be 0 for a cast, got " + to_string(h.param);
       return "block " + to_string(h.param) + " is not a multiple of 32 in [32, 65536]";
     case WireStatus::bad_k:
       return "top-k k=" + to_string(h.param) + " out of range for n=" + to_string(h.count);
     case WireStatus::bad_flags:
-      if (cast) return "flags must be 0 for a cast";
-      if (kind == CodecKind::topk) return "unknown top-k flags";
-      return "flags must be 0 for int8/sign";
+      if (block_param(h)) return "flags must be 0 for int8/sign";
+      if (sparse_payload(static_cast<CodecKind>(h.codec))) return "unknown top-k flags";
+      return "flags must be 0 for a cast";
     case WireStatus::bad_payload_bytes:
       return "payload_bytes " + to_string(h.payload_bytes) + " but the layout needs " +
              to_string(payload_layout(h).bytes);

@@ -2,10 +2,11 @@
 //
 // The wire lives in device memory, so it is validated there, with the host's rules
 // (gradzip/wire.hpp): validate_header (one thread) runs check_header and check_payload against the
-// caller's (bytes, n) and writes the status word; for top-k, validate_indices runs check_index on
-// every index in parallel, keeping the smallest fault (the one the host's sequential loop finds
-// first). The decode kernels that follow on the stream read the status word first and write
-// nothing unless it is ok, so a corrupt payload never causes an out-of-bounds access.
+// caller's (bytes, n) and writes the status word; for a sparse payload (top-k), validate_indices
+// runs check_index on every index in parallel, keeping the smallest fault (the one the host's
+// sequential loop finds first). The decode kernels that follow on the stream read the status word
+// first and write nothing unless it is ok, so a corrupt payload never causes an out-of-bounds
+// access.
 #include <algorithm>
 
 #include "common.cuh"
@@ -33,7 +34,7 @@ __global__ void __launch_bounds__(kThreads) validate_indices_kernel(const uint8_
   const uint32_t code = st->code;
   if (code != 0 && code != static_cast<uint32_t>(WireStatus::bad_index)) return;
   const WireHeader h = load_header(wire);
-  if (h.codec != static_cast<uint8_t>(CodecKind::topk)) return;
+  if (!sparse_payload(static_cast<CodecKind>(h.codec))) return;
   const uint32_t k = h.param;
   const uint8_t* idx = wire + kHeaderBytes;
   for (uint64_t j = static_cast<uint64_t>(blockIdx.x) * kThreads + threadIdx.x; j < k;
@@ -46,7 +47,8 @@ __global__ void __launch_bounds__(kThreads) validate_indices_kernel(const uint8_
   }
 }
 
-// Every codec, 4 elements per thread; top-k only zero-fills here (decode) and scatters below.
+// Every codec, 4 elements per thread; a sparse payload (top-k) only zero-fills here (decode) and
+// scatters below.
 template <bool Add>
 __global__ void __launch_bounds__(kThreads)
     decode_kernel(const uint8_t* wire, float* out, size_t n, const DecodeStatus* st, bool vec_out) {
@@ -55,7 +57,7 @@ __global__ void __launch_bounds__(kThreads)
   if (i >= n) return;
   const WireHeader h = load_header(wire);
   const CodecKind kind = static_cast<CodecKind>(h.codec);
-  if (Add && kind == CodecKind::topk) return;
+  if (Add && sparse_payload(kind)) return;  // its elements decode to 0: nothing to add
   const int valid = n - i < kV ? static_cast<int>(n - i) : kV;
   // Blocks are multiples of 32 elements (validated) and i is a multiple of kV = 4, so a thread's
   // elements share one codec block and one sign word: one element decoder per thread.
@@ -85,7 +87,7 @@ __global__ void __launch_bounds__(kThreads)
     topk_scatter_kernel(const uint8_t* wire, float* out, const DecodeStatus* st) {
   if (!decode_allowed(st)) return;
   const WireHeader h = load_header(wire);
-  if (h.codec != static_cast<uint8_t>(CodecKind::topk)) return;
+  if (!sparse_payload(static_cast<CodecKind>(h.codec))) return;
   const uint32_t k = h.param;
   const uint32_t* idx = reinterpret_cast<const uint32_t*>(wire + kHeaderBytes);
   const uint8_t* values = wire + kHeaderBytes + 4ull * k;

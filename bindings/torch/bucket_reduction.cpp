@@ -5,22 +5,20 @@
 
 #include <algorithm>
 #include <numeric>
+#include <tuple>
 
 #include "device_codec.hpp"
 
 namespace gradzip::torch_ext {
 namespace {
 
-bool block_scaled(CodecKind k) { return k == CodecKind::int8 || k == CodecKind::sign; }
-
-// The casts, whose payload is the values themselves in a dtype the backends sum.
-bool summable(CodecKind k) {
-  return k == CodecKind::fp32 || k == CodecKind::fp16 || k == CodecKind::bf16;
-}
-
-// The torch dtype of a summable codec's payload.
-at::ScalarType payload_dtype(CodecKind k) {
-  return k == CodecKind::fp32 ? at::kFloat : k == CodecKind::fp16 ? at::kHalf : at::kBFloat16;
+// The torch dtype of a summable codec's payload (its traits' wire_dtype).
+at::ScalarType payload_dtype(const Codec& codec) {
+  const DType d = visit(codec.kind(), [](auto c) {
+    if constexpr (decltype(c)::summable) return decltype(c)::wire_dtype;
+    else return DType::f32;  // never asked: no one sums this payload
+  });
+  return d == DType::f16 ? at::kHalf : d == DType::bf16 ? at::kBFloat16 : at::kFloat;
 }
 
 // Bytes of a message's payload (the header stays home).
@@ -101,10 +99,11 @@ BucketLayout::BucketLayout(const Codec& codec, int64_t world_, const std::vector
     n += m;
     ends.push_back(n);
   }
-  wire_sum =
-      collective == Collective::allreduce && cast_sum == CastSum::wire && summable(codec.kind());
-  two_phase = !wire_sum &&
-              (collective == Collective::reduce_scatter || codec.kind() != CodecKind::topk);
+  const auto [summable, all_gathered, block_scaled] = visit(codec.kind(), [](auto c) {
+    return std::tuple{c.summable, c.all_gathered, c.block_scaled};
+  });
+  wire_sum = collective == Collective::allreduce && cast_sum == CastSum::wire && summable;
+  two_phase = !wire_sum && (collective == Collective::reduce_scatter || !all_gathered);
   if (!two_phase) {
     slot = slot_bytes(codec, n);
     if (wire_sum) summed_bytes = payload_bytes(codec, n);
@@ -114,7 +113,7 @@ BucketLayout::BucketLayout(const Codec& codec, int64_t world_, const std::vector
                     world, " ranks");
   std::vector<bool> flags = exact;
   if (flags.empty()) flags.assign(numels.size(), false);
-  if (!block_scaled(codec.kind())) {  // one message per shard
+  if (!block_scaled) {  // one message per shard
     ends = {n};
     flags = {false};
   }
@@ -196,7 +195,7 @@ BucketReduction::BucketReduction(const Codec& codec, int64_t world, int64_t rank
   gathered = at::empty({layout_.wire_sum ? 0 : w * layout_.slot}, bytes);
   if (layout_.wire_sum)  // a cast message: the header, then the n values in the wire dtype
     payload = gather_in.narrow(0, static_cast<int64_t>(kHeaderBytes), layout_.summed_bytes)
-                  .view(payload_dtype(codec.kind()));
+                  .view(payload_dtype(codec));
   workspace_ = at::empty({static_cast<int64_t>(ws)}, bytes);
   if (device_.is_cuda()) decode_status = at::zeros({static_cast<int64_t>(16 * decodes)}, bytes);
 }

@@ -59,13 +59,19 @@ GZ_HD constexpr uint64_t message_bytes(CodecKind codec, uint64_t n, uint32_t par
 // codecs need (4 bytes) and use for vector accesses (16 bytes).
 GZ_HD constexpr uint64_t message_slot_bytes(uint64_t message_bytes) { return align16(message_bytes); }
 
+// Whether a known codec's payload is index/value pairs (its traits' `sparse`: top-k), whose
+// indices are checked one by one (check_index) and whose values a decoder scatters.
+GZ_HD constexpr bool sparse_payload(CodecKind codec) {
+  return visit(codec, [](auto c) { return c.sparse; });
+}
+
 // ---- validation -----------------------------------------------------------------------------
 // The header of a message of `bytes` bytes (read from a buffer of at least kHeaderBytes): every
 // field, then payload_bytes against the layout, then the length. Reads no payload byte.
 GZ_HD constexpr WireCheck check_header(const WireHeader& h, uint64_t bytes) {
   if (h.magic != kWireMagic) return {WireStatus::bad_magic, h.magic};
   if (h.version != kWireVersion) return {WireStatus::bad_version, h.version};
-  if (h.codec > static_cast<uint8_t>(CodecKind::topk)) return {WireStatus::bad_codec, h.codec};
+  if (!known_codec(static_cast<CodecKind>(h.codec))) return {WireStatus::bad_codec, h.codec};
   if (h.dtype != static_cast<uint8_t>(DType::f32)) return {WireStatus::bad_dtype, h.dtype};
   if (h.count > kMaxCount) return {WireStatus::bad_count, h.count};
   const WireCheck params =
@@ -84,13 +90,13 @@ GZ_HD WireCheck check_payload(const WireHeader& h, const uint8_t* payload) {
   return visit(static_cast<CodecKind>(h.codec), [&](auto c) { return c.check_padding(h, payload); });
 }
 
-// The whole message, in the order every decoder reports: header, payload, then the top-k
+// The whole message, in the order every decoder reports: header, payload, then a sparse payload's
 // indices in index order (a parallel check that keeps the smallest detail reports the same).
 GZ_HD WireCheck check_message(const WireHeader& h, uint64_t bytes, const uint8_t* payload) {
   WireCheck r = check_header(h, bytes);
   if (r.status != WireStatus::ok) return r;
   r = check_payload(h, payload);
-  if (r.status != WireStatus::ok || h.codec != static_cast<uint8_t>(CodecKind::topk)) return r;
+  if (r.status != WireStatus::ok || !sparse_payload(static_cast<CodecKind>(h.codec))) return r;
   for (uint64_t j = 0; j < h.param; ++j) {
     r = check_index(payload, j, h.count);
     if (r.status != WireStatus::ok) return r;

@@ -12,6 +12,12 @@ struct BlockwiseWire {
   using Word = WordType;
   static constexpr uint32_t kElementsPerWord = ElementsPerWord;
 
+  // Facts (see visit.hpp): one scale per block, so a block must not straddle two tensors.
+  static constexpr bool block_scaled = true;
+  static constexpr bool summable = false;
+  static constexpr bool sparse = false;
+  static constexpr bool all_gathered = false;
+
   // log2 of a power-of-two block.
   static GZ_HD int block_shift(uint32_t block) {
 #if defined(__CUDA_ARCH__)

@@ -42,6 +42,13 @@ GZ_HD float topk_get_value(const void* values, uint64_t j, bool fp16) {
 struct TopkCodec {
   static constexpr CodecKind kind = CodecKind::topk;
   static constexpr const char* spec_name = "topk";
+  // Facts (see visit.hpp): index/value pairs. Summed at a shard's owner and re-encoded, W ranks'
+  // selections would be selected again (and the union lost), so an all-reduce all-gathers every
+  // rank's message of the whole bucket instead.
+  static constexpr bool block_scaled = false;
+  static constexpr bool summable = false;
+  static constexpr bool sparse = true;
+  static constexpr bool all_gathered = true;
   // Payload: k u32 indices, then k values.
   static GZ_HD constexpr PayloadLayout layout(uint64_t /*n*/, uint32_t k, bool fp16_values) {
     PayloadLayout l{};

@@ -1,6 +1,18 @@
 // The one place that turns a CodecKind into a codec: visit(kind, f) calls f with the codec's
 // traits (gradzip/codec/<codec>.hpp), so every codec-specific step is an overload or a member of
 // those types and a new codec is one enum value, one case here and one file per layer.
+//
+// Besides its steps, every traits type states the codec's facts as static constexpr members, which
+// code that holds only a kind reads through visit (visit(kind, [](auto c) { return c.sparse; })):
+//   block_scaled  one scale per block of the header's param (int8, sign): a block must not mix two
+//                 tensors, whose scales can differ by orders of magnitude, so the bucket reduction
+//                 encodes a shard as one message per tensor piece
+//   summable      the payload is the n values in a float type (wire_dtype) that a backend's
+//                 all-reduce sums in place (the casts): a bucket can be summed on the wire
+//   sparse        the payload is k increasing u32 indices, then k values (top-k): validators check
+//                 every index, decoders write zeros and scatter the values
+//   all_gathered  an all-reduce all-gathers every rank's message of the whole bucket and each rank
+//                 decode-adds them, instead of the two-phase exchange (top-k)
 #pragma once
 
 #include "gradzip/codec/cast.hpp"

@@ -249,9 +249,8 @@ size_t Codec::encoded_bytes(size_t n) const {
 }
 
 size_t Codec::workspace_bytes(size_t n) const {
-  if (spec_.kind != CodecKind::topk) return 0;
   wire_param(n);  // range check
-  size_t bytes = detail::topk_workspace_bytes(n);
+  size_t bytes = visit(spec_.kind, [&](auto c) { return detail::encode_workspace_bytes(c, n); });
 #ifdef GRADZIP_HAS_CUDA
   // one number for both backends: the caller may hand the same buffer size to either
   const size_t cuda = detail::cuda_workspace_bytes(spec_, n);

@@ -5,6 +5,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "gradzip/codec/topk.hpp"
+
 namespace gradzip::detail {
 
 constexpr size_t kTopkMaxChunks = 64;
@@ -19,7 +21,10 @@ inline size_t topk_num_chunks(size_t n) {
   return n == 0 ? 0 : (n + topk_chunk_len(n) - 1) / topk_chunk_len(n);
 }
 
+// Scratch the CPU encoder of a codec needs for n elements: none, but for top-k's below.
+template <class C>
+size_t encode_workspace_bytes(C, size_t) { return 0; }
 // Candidate indices (u32) of the threshold bucket: at most one per element.
-inline size_t topk_workspace_bytes(size_t n) { return 4 * n; }
+inline size_t encode_workspace_bytes(TopkCodec, size_t n) { return 4 * n; }
 
 }  // namespace gradzip::detail

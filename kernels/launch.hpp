@@ -39,7 +39,7 @@ struct EncodeLaunch {
   uint32_t param;         // the header's param: block (int8/sign) or k (top-k)
   bool fp16_values;       // top-k: values stored as fp16
   PayloadLayout layout;   // of this message's payload
-  void* workspace;        // top-k: topk_workspace_bytes(n) bytes, 16-byte aligned; else unused
+  void* workspace;        // encode_workspace_bytes(codec, n) bytes, 16-byte aligned
   bool vec;         // grad, residual and out are 16-byte aligned: use 16-byte accesses
   int sm_count;
   cudaStream_t stream;
@@ -54,7 +54,11 @@ void launch_encode(Int8Codec, const EncodeLaunch& a);  // int8.cu
 void launch_encode(SignCodec, const EncodeLaunch& a);  // sign.cu
 // Top-k: k >= 1 and k <= n < 2^32.
 void launch_encode(TopkCodec, const EncodeLaunch& a);  // topk.cu
-size_t topk_workspace_bytes(size_t n);
+
+// Device scratch the encoder of a codec needs for n elements: none, but for top-k's.
+template <class C>
+size_t encode_workspace_bytes(C, size_t) { return 0; }
+size_t encode_workspace_bytes(TopkCodec, size_t n);  // topk.cu
 
 struct DecodeLaunch {
   const uint8_t* wire;  // 4-byte aligned

@@ -310,7 +310,7 @@ void launch_all(const EncodeLaunch& a, uint32_t k, bool fp16_values, uint8_t* ws
 
 }  // namespace
 
-size_t topk_workspace_bytes(size_t n) { return kStateBytes + kHistBytes + 16 * num_tiles(n) + 4 * n; }
+size_t encode_workspace_bytes(TopkCodec, size_t n) { return kStateBytes + kHistBytes + 16 * num_tiles(n) + 4 * n; }
 
 void launch_encode(TopkCodec, const EncodeLaunch& a) {
   const uint32_t k = a.param;

@@ -15,7 +15,7 @@ namespace gradzip {
 namespace detail {
 
 size_t cuda_workspace_bytes(const CodecSpec& spec, size_t n) {
-  return spec.kind == CodecKind::topk ? kernels::topk_workspace_bytes(n) : 0;
+  return visit(spec.kind, [&](auto c) { return kernels::encode_workspace_bytes(c, n); });
 }
 
 }  // namespace detail

@@ -1,10 +1,11 @@
 """Every definition of the wire format's sizes agrees: the extension (include/gradzip/wire.hpp
 through gradzip::Codec), the pure-Python copy the cost model uses without the extension
 (gradzip.wire), the cost model's codecs, and the bytes a real encode writes; on every codec and a
-spread of sizes."""
+spread of sizes. So do gradzip.wire's spec grammar and codec facts and the extension's."""
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -93,6 +94,71 @@ def test_message_slots_agree_with_the_all_reduce(spec, world):
             biggest = max(shard)
             assert sent == sum(shard) - shard[rank] + (world - 1) * biggest, (spec, n, rank)
             assert received == (world - 1) * (shard[rank] + biggest), (spec, n, rank)
+
+
+# Specs on both sides of every rule of the grammar: the number formats std::from_chars takes and
+# Python's int() / float() would also take (signs, spaces, underscores, non-ASCII digits), options
+# repeated, misplaced or empty, and the limits.
+VALID_SPECS = [
+    "fp32", "fp16", "bf16", "int8", "int8:block=32", "int8:block=0064", "int8:block=65536",
+    "sign", "sign:block=4096", "topk:0.01", "topk:1", "topk:1.", "topk:.5", "topk:1e-3",
+    "topk:1E-3", "topk:0.5e+0", "topk:00.25", "topk:1e-9:values=fp32", "topk:0.3:values=fp16",
+    "topk:1e-310", "lowrank:1", "lowrank:04", "lowrank:123456789"]
+INVALID_SPECS = [
+    "", ":", "zstd", "FP32", " fp32", "fp32 ", "fp32:", "fp32:block=64", "fp16:1", "int8:",
+    "int8::block=64", "int8:64", "int8:block=", "int8:block=+64", "int8:block=-64",
+    "int8:block= 64", "int8:block=0x40", "int8:block=64.0", "int8:block=6_4",
+    "int8:block=\uff16\uff14", "int8:block=64:block=64", "int8:block=64=1", "int8:block=33",
+    "int8:block=65568", "int8:block=99999999999999999999999", "int8:values=fp16", "sign:block=16",
+    "sign:foo=1", "topk", "topk:", "topk:0", "topk:0.0", "topk:-0", "topk:-0.1", "topk:+0.1",
+    "topk: 0.1", "topk:0.1 ", "topk:1_0", "topk:1.5", "topk:1.0000001", "topk:inf", "topk:nan",
+    "topk:1e", "topk:0x0.1", "topk:1e-400", "topk:2e-324", "topk:1e400", "topk:\u0663",
+    "topk:0.1:", "topk:0.1:values", "topk:0.1:values=bf16", "topk:0.1:block=64",
+    "topk:0.1:values=fp16:values=fp32", "lowrank", "lowrank:", "lowrank:0", "lowrank:-1",
+    "lowrank:+1", "lowrank:1.0", "lowrank:\u0663", "lowrank:1234567890", "lowrankx",
+    "lowrank:4:x"]
+CORPUS = sorted(Path(__file__).parents[1].glob("fuzz/corpus/spec*/*"))
+
+
+def extension_parse(spec: str):
+    """The extension's parse (plan.CodecPlan.parse: parse_lowrank, then gradzip::Codec::parse),
+    as a canonical spec, or ValueError."""
+    return sizes_or_error(lambda: plan.CodecPlan.parse(spec).spec)
+
+
+def test_the_spec_lists_hold_what_they_say():
+    assert all(extension_parse(s) is not ValueError for s in VALID_SPECS)
+    assert all(extension_parse(s) is ValueError for s in INVALID_SPECS)
+    assert len(CORPUS) >= 10
+
+
+@pytest.mark.parametrize("spec", VALID_SPECS + INVALID_SPECS + [
+    p.read_bytes().decode("utf-8", "replace") for p in CORPUS])
+def test_the_python_grammar_is_the_extensions(spec):
+    """gradzip.wire.parse_spec accepts exactly the specs the extension accepts, with the same
+    parts: those of the extension's canonical spec."""
+    canonical = extension_parse(spec)
+    if canonical is ValueError:
+        with pytest.raises(ValueError, match="bad codec spec"):
+            wire.parse_spec(spec)
+        return
+    assert wire.parse_spec(spec) == wire.parse_spec(canonical), (spec, canonical)
+
+
+@pytest.mark.parametrize("kind", wire.KINDS)
+@pytest.mark.parametrize("cast_sum", wire.CAST_SUMS)
+def test_the_codec_facts_are_the_extensions(kind, cast_sum):
+    """gradzip.wire's facts of each codec (its traits' summable, all_gathered and block_scaled)
+    give the collective and the cut of the extension's BucketLayout."""
+    spec = "topk:0.01" if kind == "topk" else kind
+    r = torch.classes.gradzip.BucketReduction(spec, 2, 0, [300, 300], torch.zeros(1), cast_sum)
+    ext = "cast_allreduce" if r.wire_sum() else "two_phase" if r.two_phase() else "allgather"
+    assert wire.allreduce_collective(kind, cast_sum) == ext
+    assert plan.CodecPlan.parse(spec, cast_sum).collective == ext
+    # Block-scaled codecs cut a shard at the tensors, so a tensor sent exact changes the bytes.
+    exact = _ops.bucket_traffic(spec, 2, 0, [300, 300], "fp32", [True, False])
+    whole = _ops.bucket_traffic(spec, 2, 0, [300, 300], "fp32", [])
+    assert (exact != whole) == (kind in wire.BLOCK_SCALED_KINDS)
 
 
 def test_cost_model_runs_without_the_extension():

@@ -23,7 +23,7 @@ class CodecPlan:
 
     spec: str  # canonical spec string
     kind: str  # fp32 | fp16 | bf16 | int8 | sign | topk | lowrank
-    cast_sum: str = "wire"  # wire | fp32 (see wire.sums_on_wire)
+    cast_sum: str = "wire"  # wire | fp32 (see wire.allreduce_collective)
 
     @staticmethod
     def parse(spec: str, cast_sum: str = "wire") -> "CodecPlan":
@@ -34,19 +34,25 @@ class CodecPlan:
         return CodecPlan(canonical, canonical.split(":", 1)[0], cast_sum)
 
     def __post_init__(self):
-        wire.sums_on_wire(self.kind, self.cast_sum)  # a ValueError for an unknown cast_sum
+        self.collective  # a ValueError for an unknown cast_sum
+
+    @property
+    def collective(self) -> str:
+        """How the all-reduce sends a bucket: cast_allreduce | two_phase | allgather | lowrank
+        (wire.allreduce_collective)."""
+        return wire.allreduce_collective(self.kind, self.cast_sum)
 
     @property
     def wire_sum(self) -> bool:
         """One all-reduce (SUM) of the payload in the wire dtype: fp32/fp16/bf16 with cast_sum
         "wire"."""
-        return wire.sums_on_wire(self.kind, self.cast_sum)
+        return self.collective == "cast_allreduce"
 
     @property
     def two_phase(self) -> bool:
         """All-to-all + all-gather with an fp32 sum (int8, sign, and the casts with cast_sum
         "fp32"; top-k all-gathers)."""
-        return self.kind not in ("topk", "lowrank") and not self.wire_sum
+        return self.collective == "two_phase"
 
     @property
     def lowrank_rank(self) -> int:

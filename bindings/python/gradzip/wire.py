@@ -1,16 +1,21 @@
-"""The wire format's sizes in plain Python, and the smallest bucket compressed by default: what the
-cost model needs when the compiled extension is absent (``python -m gradzip.costmodel`` on a
-machine without it).
+"""The codec spec grammar, the codecs' facts and the wire format's sizes in plain Python, and the
+smallest bucket compressed by default: what the cost model needs when the compiled extension is
+absent (``python -m gradzip.costmodel`` on a machine without it).
 
-The rules are include/gradzip/wire.hpp's (the C++ library, the CUDA decoders and the extension's
-``encoded_bytes`` all use that one definition); this is their only Python copy, and
-tests/python/test_wire.py checks it against the extension on every codec and a spread of sizes.
+The rules are the C++ library's: the spec parser (codecs/spec.cpp, and parse_lowrank of
+bindings/torch/lowrank_reduction.cpp), the codecs' facts (the traits of
+include/gradzip/codec/<codec>.hpp, see codec/visit.hpp) as the bucket reduction applies them
+(bindings/torch/bucket_reduction.cpp), and the sizes (include/gradzip/wire.hpp). This is their only
+Python copy: gradzip.plan and the cost model both use it, and tests/python/test_wire.py checks it
+against the extension on every codec, every spec of the fuzz corpus and a spread of sizes.
 Imports nothing from gradzip or torch.
 """
 
 from __future__ import annotations
 
 import math
+import re
+from dataclasses import dataclass
 
 HEADER_BYTES = 32
 MAX_COUNT = 1 << 48  # largest element count of a message
@@ -24,21 +29,95 @@ KINDS = ("fp32", "fp16", "bf16", "int8", "sign", "topk")
 # and the cost model take it from here.
 MIN_COMPRESS_NUMEL = 4096
 
-# Codecs that cut a bucket at its tensors' boundaries (bindings/torch/bucket_reduction.hpp): only
-# they send some tensors uncompressed (``uncompressed_numel``).
-PIECEWISE_KINDS = ("int8", "sign")
+# The codecs' facts (their traits' members, include/gradzip/codec/visit.hpp), by kind.
+# block_scaled: a bucket is cut at its tensors' boundaries, so only these codecs send some tensors
+# uncompressed (``uncompressed_numel``).
+BLOCK_SCALED_KINDS = ("int8", "sign")
+# summable: the payload is the values, in a dtype a backend's all-reduce sums.
+SUMMABLE_KINDS = ("fp32", "fp16", "bf16")
+# all_gathered: an all-reduce all-gathers every rank's message of the whole bucket.
+ALL_GATHERED_KINDS = ("topk",)
 
 CAST_SUMS = ("wire", "fp32")  # CompressionState(cast_sum=...): where fp32/fp16/bf16 buckets are summed
 
 
-def sums_on_wire(kind: str, cast_sum: str) -> bool:
-    """Whether an all-reduced bucket of this codec kind is summed by one all-reduce of its payload
-    in the wire dtype (the casts fp32/fp16/bf16 with cast_sum "wire"), rather than by the
-    two-phase fp32 sum or top-k's all-gather (bindings/torch/bucket_reduction.hpp,
-    BucketLayout::wire_sum)."""
+def allreduce_collective(kind: str, cast_sum: str) -> str:
+    """How an all-reduced bucket of this codec kind travels (bindings/torch/bucket_reduction.hpp,
+    BucketLayout): "cast_allreduce", one all-reduce of the payload in the wire dtype (a summable
+    codec with cast_sum "wire"); "allgather" (top-k); "lowrank", two all-reduces of low-rank
+    factors (lowrank_reduction.hpp); else "two_phase", the all-to-all and all-gather with an fp32
+    sum."""
     if cast_sum not in CAST_SUMS:
         raise ValueError(f"gradzip: cast_sum must be one of {CAST_SUMS}, got {cast_sum!r}")
-    return kind in ("fp32", "fp16", "bf16") and cast_sum == "wire"
+    if kind in SUMMABLE_KINDS and cast_sum == "wire":
+        return "cast_allreduce"
+    if kind in ALL_GATHERED_KINDS:
+        return "allgather"
+    return "lowrank" if kind == "lowrank" else "two_phase"
+
+
+# ---- spec grammar -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Spec:
+    """A parsed gradzip codec spec: fp32 | fp16 | bf16 | int8[:block=N] | sign[:block=N] |
+    topk:RATIO[:values=fp32|fp16] | lowrank:RANK."""
+
+    kind: str  # KINDS, or "lowrank"
+    block: int = 0  # int8, sign
+    ratio: float = 0.0  # topk
+    fp16_values: bool = False  # topk
+    rank: int = 0  # lowrank
+
+
+_UNSIGNED = re.compile(r"[0-9]+")  # std::from_chars of an unsigned integer, the whole string
+# std::from_chars of a double (chars_format::general), the whole string; "inf" and "nan" parse
+# there too but are never a ratio in (0, 1]
+_DECIMAL = re.compile(r"-?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
+_OPTION = {"int8": "block", "sign": "block", "topk": "values"}  # the one option each codec takes
+
+
+def parse_spec(spec: str) -> Spec:
+    """The spec's parts, as the extension parses them (gradzip::Codec::parse, and parse_lowrank for
+    lowrank:RANK); a ValueError naming the bad part where that throws."""
+
+    def bad(why: str):
+        raise ValueError(f"gradzip: bad codec spec {spec!r}: {why}")
+
+    if spec.startswith("lowrank"):
+        r = spec[len("lowrank"):]
+        digits = r[1:]  # at most 9 of them, as parse_lowrank's
+        if not (r.startswith(":") and _UNSIGNED.fullmatch(digits) and len(digits) <= 9
+                and int(digits) >= 1):
+            bad("expected lowrank:RANK with RANK an integer >= 1")
+        return Spec("lowrank", rank=int(digits))
+    name, *parts = spec.split(":")
+    if name not in KINDS:
+        bad(f"unknown codec {name!r} (expected {', '.join(KINDS[:-1])} or {KINDS[-1]})")
+    fields = {"kind": name}
+    if name in BLOCK_SCALED_KINDS:
+        fields["block"] = DEFAULT_INT8_BLOCK if name == "int8" else DEFAULT_SIGN_BLOCK
+    if name == "topk":
+        if not parts or not parts[0]:
+            bad("topk needs a ratio, e.g. topk:0.01")
+        ratio = float(parts[0]) if _DECIMAL.fullmatch(parts[0]) else math.nan
+        if not 0.0 < ratio <= 1.0:
+            bad(f"ratio {parts[0]!r} must be a number in (0, 1]")
+        fields["ratio"], parts = ratio, parts[1:]
+    seen = set()
+    for opt in parts:
+        key, eq, value = opt.partition("=")
+        if not eq or key != _OPTION.get(name) or key in seen:
+            bad(f"option {opt!r}: {name} takes {_OPTION.get(name, 'no option')}=..., once")
+        seen.add(key)
+        if key == "block":
+            if not (_UNSIGNED.fullmatch(value) and valid_block(int(value))):
+                bad(f"block={value} must be a multiple of 32 in [32, 65536]")
+            fields["block"] = int(value)
+        elif value in ("fp32", "fp16"):
+            fields["fp16_values"] = value == "fp16"
+        else:
+            bad(f"values={value!r} must be fp32 or fp16")
+    return Spec(**fields)
 
 
 def valid_block(block: int) -> bool:

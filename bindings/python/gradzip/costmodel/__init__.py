@@ -15,11 +15,12 @@ each pass must move. Buckets are communicated one after the other; the model giv
 spends communicating if nothing overlaps with the backward pass (an upper bound on the step's
 overhead) and the bytes each rank sends.
 
-The collective each hook uses follows gradzip.plan: gradzip's fp16 and bf16 (cast_sum
-"wire", the hook's default) as one 16-bit ring all-reduce of the payload, as PyTorch's 16-bit
-hooks (the header is not sent); two-phase for fp32, int8, sign and the casts with cast_sum "fp32"
-(fp32 accumulation, plus a header per shard); all-gather of fixed-size payloads for top-k; and
-buckets under `min_compress_numel` elements as a plain fp32 all-reduce. PyTorch's hooks: `none` is DDP's fp32 ring all-reduce,
+The collective each hook uses is gradzip.plan's (both take it, and the spec grammar, from
+gradzip.wire): gradzip's fp16 and bf16 (cast_sum "wire", the hook's default) as one 16-bit ring
+all-reduce of the payload, as PyTorch's 16-bit hooks (the header is not sent); two-phase for fp32,
+int8, sign and the casts with cast_sum "fp32" (fp32 accumulation, plus a header per shard);
+all-gather of fixed-size payloads for top-k; and buckets under `min_compress_numel` elements as a
+plain fp32 all-reduce. PyTorch's hooks: `none` is DDP's fp32 ring all-reduce,
 `torch-fp16`/`torch-bf16` a 16-bit all-reduce, PowerSGD three all-reduces per bucket
 (uncompressed tensors, P, Q); gradzip's lowrank:R two (P with the uncompressed tensors, Q), per
 DDP bucket and per FSDP2 parameter group alike (gradzip.fsdp reduces a group's unsharded gradient
@@ -73,42 +74,14 @@ class Codec:
         if name in TORCH_HOOKS:
             return Codec(TORCH_HOOKS[name], collective="allreduce")
         head, *opts = name.split(":")
-        if head in ("fp32", "fp16", "bf16") and not opts:
-            return Codec(head, "cast_allreduce" if wire.sums_on_wire(head, cast_sum) else "two_phase")
-        if head in ("int8", "sign"):
-            block = wire.DEFAULT_INT8_BLOCK if head == "int8" else wire.DEFAULT_SIGN_BLOCK
-            for o in opts:
-                if not o.startswith("block="):
-                    raise ValueError(f"codec {name!r}: unknown option {o!r} (expected block=N)")
-                block = _int(o[6:], name)
-            if not wire.valid_block(block):
-                raise ValueError(f"codec {name!r}: block must be a multiple of 32 in [32, 65536]")
-            return Codec(head, block=block)
-        if head == "topk":
-            if not opts:
-                raise ValueError(f"codec {name!r}: topk needs a ratio, e.g. topk:0.01")
-            try:
-                ratio = float(opts[0])
-            except ValueError:
-                raise ValueError(f"codec {name!r}: ratio {opts[0]!r} is not a number") from None
-            if not (0.0 < ratio <= 1.0):
-                raise ValueError(f"codec {name!r}: ratio must be in (0, 1]")
-            fp16 = False
-            for o in opts[1:]:
-                if o not in ("values=fp16", "values=fp32"):
-                    raise ValueError(f"codec {name!r}: unknown option {o!r}")
-                fp16 = o == "values=fp16"
-            return Codec("topk", "allgather", ratio=ratio, fp16_values=fp16)
         if head == "powersgd":
             rank = _int(opts[0], name) if opts else 1
             if rank < 1 or len(opts) > 1:
                 raise ValueError(f"codec {name!r}: expected powersgd[:RANK] with RANK >= 1")
             return Codec("powersgd", "powersgd", rank=rank)
-        if head == "lowrank":
-            if len(opts) != 1 or not opts[0].isdigit() or int(opts[0]) < 1:
-                raise ValueError(f"codec {name!r}: expected lowrank:RANK with RANK >= 1")
-            return Codec("lowrank", "lowrank", rank=int(opts[0]))
-        raise ValueError(f"unknown codec {name!r}")
+        s = wire.parse_spec(name)  # gradzip's own codecs: the extension's grammar
+        return Codec(s.kind, wire.allreduce_collective(s.kind, cast_sum), s.block, s.ratio,
+                     s.fp16_values, s.rank)
 
     def topk_k(self, n: int) -> int:
         return wire.topk_k(self.ratio, n)
@@ -119,7 +92,7 @@ class Codec:
 
     def uncompressed_elements(self, shapes: Iterable[Shape]) -> int:
         """Elements of a bucket of these tensors that travel in fp32 (uncompressed_numel)."""
-        if self.kind not in wire.PIECEWISE_KINDS:
+        if self.kind not in wire.BLOCK_SCALED_KINDS:
             return 0
         return sum(numel(s) for s in shapes if wire.travels_uncompressed(s, self.uncompressed_numel))
 

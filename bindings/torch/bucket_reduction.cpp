@@ -32,38 +32,23 @@ const Codec& fp32_codec() {
   return codec;
 }
 
-// Lengths of the pieces of [lo, hi) cut at the sorted bucket offsets `cuts`, none shorter than
-// kMinPiece (unless [lo, hi) is).
-std::vector<int64_t> piece_lengths(int64_t lo, int64_t hi, const std::vector<int64_t>& cuts) {
-  std::vector<int64_t> lens;
-  int64_t start = lo;
-  for (const int64_t c : cuts) {
-    if (c - start >= kMinPiece && hi - c >= kMinPiece) {
-      lens.push_back(c - start);
-      start = c;
-    }
-  }
-  lens.push_back(hi - start);
-  return lens;
-}
-
-// The pieces of shard [lo, hi) of a bucket whose tensor i ends at ends[i] and is exact[i]: cut
-// wherever exactness changes (an exact piece never merges with a compressed one), each run of
-// tensors of one kind then cut by piece_lengths.
+// The pieces of shard [lo, hi) of a bucket whose tensor i ends at ends[i] and is exact[i]: one
+// compressed piece per tensor (no block scale spans two tensors), consecutive exact tensors in one
+// fp32 piece. With `short_exact`, a tensor's part shorter than kMinPiece travels exact too.
 std::vector<Piece> shard_pieces(int64_t lo, int64_t hi, const std::vector<int64_t>& ends,
-                                const std::vector<bool>& exact) {
+                                const std::vector<bool>& exact, bool short_exact) {
   std::vector<Piece> out;
-  std::vector<int64_t> cuts;  // interior tensor boundaries of the current run
   int64_t start = lo;
   for (size_t i = 0; i < ends.size() && start < hi; ++i) {
     const int64_t end = std::min(ends[i], hi);
     if (end <= start) continue;  // a tensor before the shard
-    if (end < hi && exact[i + 1] == exact[i]) {
-      cuts.push_back(end);
-      continue;
+    const int64_t len = end - start;
+    const bool is_exact = exact[i] || (short_exact && len < kMinPiece);
+    if (is_exact && !out.empty() && out.back().exact) {
+      out.back().len += len;
+    } else {
+      out.push_back({len, is_exact});
     }
-    for (const int64_t m : piece_lengths(start, end, cuts)) out.push_back({m, exact[i]});
-    cuts.clear();
     start = end;
   }
   return out;
@@ -119,7 +104,7 @@ BucketLayout::BucketLayout(const Codec& codec, int64_t world_, const std::vector
   }
   starts = shard_starts(n, world);
   for (int64_t j = 0; j < world; ++j) {
-    pieces.push_back(shard_pieces(starts[j], starts[j + 1], ends, flags));
+    pieces.push_back(shard_pieces(starts[j], starts[j + 1], ends, flags, block_scaled));
     int64_t bytes = 0;
     for (const Piece& p : pieces.back()) bytes += slot_bytes(codec, p);
     shard_bytes.push_back(bytes);

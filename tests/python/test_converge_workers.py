@@ -6,7 +6,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dist_util import run_ranks
-from gradzip.converge.compression import _NEVER, MIN_COMPRESS_NUMEL, Reducer, bucket_bounds
+from gradzip.converge.compression import Reducer, baseline_or_codec, bucket_bounds
 
 N = 20011  # one parameter, odd size: one DDP bucket, shards of unequal size
 STEPS = 3
@@ -32,9 +32,7 @@ def _ddp_ranks(rank, world, codec, out_dir):
 
     ddp = DDP(Dot())
     p = ddp.module.p
-    baseline = codec == "fp32"
-    state = CompressionState(codec, error_feedback=not baseline,
-                             min_compress_numel=_NEVER if baseline else MIN_COMPRESS_NUMEL)
+    state = CompressionState(codec, **baseline_or_codec(codec, error_feedback=True))
     ddp.register_comm_hook(state, compress_hook)
     results = []
     for step in range(STEPS):

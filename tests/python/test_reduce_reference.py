@@ -9,9 +9,9 @@ two-phase fp32 sum; the default one all-reduce in the wire dtype is test_cast_al
   * each rank forms c = g * p + e in fp32 (p = fl32(1/W), e its residual);
   * two-phase codecs (fp32, fp16, bf16, int8, sign): the bucket is cut into W shards (the first
     n % W get n // W + 1 elements); int8/sign cut each shard further at the bucket's tensor
-    boundaries (a cut only where both sides keep >= 64 elements) and restart their blocks at each
-    piece; with ``uncompressed_numel``, the tensors it names are pieces of their own (always cut
-    where a tensor's kind changes) encoded as fp32; the owner of a shard sums the W decoded contributions in rank order and re-encodes the
+    boundaries and restart their blocks at each piece; a tensor's part of fewer than 64 elements,
+    and with ``uncompressed_numel`` the tensors it names, are encoded as fp32 (consecutive ones in
+    one piece); the owner of a shard sums the W decoded contributions in rank order and re-encodes the
     sum (prescale 1, no residual); everyone decodes every re-encoded shard;
   * top-k: each rank keeps the k = min(n, max(1, ceil(ratio * n))) largest |c| (ties to the lowest
     index), every rank adds the W decoded payloads in rank order into zeros;
@@ -81,35 +81,21 @@ def shard_starts(n, world):
     return starts
 
 
-def pieces(lo, hi, numels, exact=None):
-    """(a, b, exact) messages of shard [lo, hi): cut where a tensor's ``exact`` flag changes, and
-    at the other tensor boundaries where both sides keep >= 64 elements of their run."""
+def pieces(lo, hi, numels, exact=None, short_exact=True):
+    """(a, b, exact) messages of shard [lo, hi): one per tensor part in it, a part shorter than 64
+    elements exact (with ``short_exact``), consecutive exact parts in one message."""
     exact = exact or [False] * len(numels)
-    ends, acc = [], 0
-    for m in numels:
-        acc += m
-        ends.append(acc)
-    runs, start = [], lo  # (a, b, exact, interior tensor boundaries)
-    cuts = []
-    for i, end in enumerate(ends):
-        end = min(end, hi)
-        if end <= start:
+    out, start = [], 0
+    for m, ex in zip(numels, exact):
+        a, b = max(lo, start), min(hi, start + m)
+        start += m
+        if b <= a:
             continue
-        if end < hi and exact[i + 1] == exact[i]:
-            cuts.append(end)
-            continue
-        runs.append((start, end, exact[i], cuts))
-        start, cuts = end, []
-        if end == hi:
-            break
-    out = []
-    for a, b, ex, run_cuts in runs:
-        s = a
-        for cut in run_cuts:
-            if cut - s >= MIN_PIECE and b - cut >= MIN_PIECE:
-                out.append((s, cut, ex))
-                s = cut
-        out.append((s, b, ex))
+        ex = ex or (short_exact and b - a < MIN_PIECE)
+        if ex and out and out[-1][2]:
+            out[-1] = (out[-1][0], b, True)
+        else:
+            out.append((a, b, ex))
     return out
 
 
@@ -187,6 +173,7 @@ def reference(spec, grads, residuals, numels, mirror=False, exact=None):
     scale = [torch.zeros(n, dtype=F64) for _ in range(world)]
     out = torch.zeros(n, dtype=F64)
     oscale = torch.zeros(n, dtype=F64)
+    sent_exact = torch.zeros(n, dtype=torch.bool)  # the parts that travel as fp32
     selected = None
     if codec["kind"] == "topk":
         k = min(n, max(1, math.ceil(codec["ratio"] * n)))
@@ -204,8 +191,11 @@ def reference(spec, grads, residuals, numels, mirror=False, exact=None):
         starts = shard_starts(n, world)
         piecewise = codec["kind"] in ("int8", "sign")
         split = numels if piecewise else [n]
-        ranges = [pieces(starts[j], starts[j + 1], split, exact if piecewise else None)
+        ranges = [pieces(starts[j], starts[j + 1], split, exact if piecewise else None, piecewise)
                   for j in range(world)]
+        for rs in ranges:
+            for a, b, ex in rs:
+                sent_exact[a:b] = ex
         for r, c in enumerate(cs):
             for rs in ranges:
                 for a, b, ex in rs:
@@ -225,7 +215,7 @@ def reference(spec, grads, residuals, numels, mirror=False, exact=None):
     res = [rnd(c - d) for c, d in zip(cs, dec)]
     return {"c": cs, "dec": dec, "scale": scale, "sum": total, "out": out, "oscale": oscale,
             "res": res, "selected": selected, "sum_abs": sum(d.abs() for d in dec),
-            "codec": codec}
+            "codec": codec, "exact": sent_exact}
 
 
 # ---- driving gradzip --------------------------------------------------------------------------
@@ -280,6 +270,13 @@ def check_against_ideal(spec, out, res, ref, world, true_mean=None, mag=None):
         err = (out - S).abs()
         assert (err <= bound * (1 + 1e-9)).all(), f"{spec}: output err {(err / bound).max():.3g} bound"
         return
+    if kind in ("int8", "sign"):  # the parts sent as fp32: the fp32 sum, no residual
+        ex, keep = ref["exact"], ~ref["exact"]
+        assert all(bool((e[ex] == 0).all()) for e in res), f"{spec}: residual of an exact part"
+        assert ((out - S).abs()[ex] <= acc[ex]).all(), f"{spec}: exact part"
+        c, res, out, S, acc = [x[keep] for x in c], [x[keep] for x in res], out[keep], S[keep], acc[keep]
+        ref = {**ref, "scale": [x[keep] for x in ref["scale"]], "oscale": ref["oscale"][keep],
+               "res": [x[keep] for x in ref["res"]]}
     if kind == "int8":
         for r in range(world):
             step = ref["scale"][r]
@@ -486,11 +483,31 @@ def test_uncompressed_tensors_bitwise_against_fp32_mirror(codec, world):
         assert torch.equal(o[mask], exact_sum.to(F64)), f"{codec} W={world} step {step}"
 
 
+@pytest.mark.parametrize("codec", ["int8", "sign", "sign:block=64"])
+def test_a_tensor_shorter_than_a_piece_travels_exact(codec):
+    """A 1x1 output convolution's 16 weights and its bias beside a weight of a much larger scale
+    (a depth net's last layer, without uncompressed_numel): they travel in fp32 rather than share
+    the large tensor's block scale, so their average is the exact fp32 sum in rank order and their
+    residuals stay zero."""
+    world, numels = 3, [5000, 16, 1]
+    g = torch.Generator().manual_seed(5)
+    gs = [torch.cat([torch.randn(5000, generator=g) * 100.0, torch.randn(17, generator=g) * 1e-4])
+          for _ in range(world)]
+    sim = SimulatedWorkers(codec, world, min_compress_numel=0)
+    out = sim.reduce(gs, numels=numels)
+    p = torch.tensor(1.0 / world, dtype=torch.float32)
+    exact = torch.zeros(17)
+    for x in gs:
+        exact = exact + x[5000:] * p
+    assert torch.equal(out[5000:], exact)
+    assert all(bool((e[5000:] == 0).all()) and bool((e[:5000] != 0).any())
+               for e in gz_residuals(sim))
+
+
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("codec", ["int8", "sign"])
 def test_uncompressed_tensors_leave_the_compressed_ones_alone(codec, world):
-    """Against the reference without the option: only the flagged tensors and the compressed
-    pieces that shared a message with them (merged below 64 elements) change."""
+    """Against the reference without the option: only the flagged tensors change."""
     numels = [math.prod(s) for s in SHAPES]
     gs = shaped_grads(world, 42)
     [(out, _)] = run_with_uncompressed(codec, world, [gs])

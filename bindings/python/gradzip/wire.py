@@ -33,6 +33,10 @@ MIN_COMPRESS_NUMEL = 4096
 # block_scaled: a bucket is cut at its tensors' boundaries, so only these codecs send some tensors
 # uncompressed (``uncompressed_numel``).
 BLOCK_SCALED_KINDS = ("int8", "sign")
+# In their buckets a tensor (or a shard's part of one) of fewer elements travels in fp32: a block
+# of its own would cost a header for a few bytes, and one shared with a neighbour tensor would give
+# it the neighbour's scale (bindings/torch/bucket_reduction.hpp, kMinPiece).
+MIN_PIECE = 64
 # summable: the payload is the values, in a dtype a backend's all-reduce sums.
 SUMMABLE_KINDS = ("fp32", "fp16", "bf16")
 # all_gathered: an all-reduce all-gathers every rank's message of the whole bucket.

@@ -91,10 +91,12 @@ class Codec:
         return wire.encoded_bytes(self.kind, n, self.block, self.ratio, self.fp16_values)
 
     def uncompressed_elements(self, shapes: Iterable[Shape]) -> int:
-        """Elements of a bucket of these tensors that travel in fp32 (uncompressed_numel)."""
+        """Elements of a bucket of these tensors that travel in fp32 (uncompressed_numel, and the
+        tensors shorter than a piece; a shard boundary's short fragments are not counted)."""
         if self.kind not in wire.BLOCK_SCALED_KINDS:
             return 0
-        return sum(numel(s) for s in shapes if wire.travels_uncompressed(s, self.uncompressed_numel))
+        return sum(numel(s) for s in shapes if numel(s) < wire.MIN_PIECE
+                   or wire.travels_uncompressed(s, self.uncompressed_numel))
 
 
 def _int(s: str, name: str) -> int:

@@ -16,12 +16,15 @@ import lowrank_scenarios as lr
 
 # dim 0 of 65 and 7 rows: FSDP pads the last rank's shard for W = 2 and 3
 IN, HIDDEN, OUT = 33, 65, 7
+# A hidden width whose biases keep >= 64 elements on each of 3 ranks: compressed unless
+# uncompressed_numel says otherwise (a rank's part of a tensor shorter than that travels in fp32).
+WIDE = 200
 
 
-def make_model(policy=None, divide_factor=None):
+def make_model(policy=None, divide_factor=None, hidden=HIDDEN):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, HIDDEN), nn.Tanh(),
-                          nn.Linear(HIDDEN, OUT))
+    model = nn.Sequential(nn.Linear(IN, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(),
+                          nn.Linear(hidden, OUT))
     kw = {} if policy is None else {"mp_policy": policy}
     for layer in model:
         if isinstance(layer, nn.Linear):
@@ -96,12 +99,12 @@ def step0(rank, world, outdir, codecs):
 def uncompressed(rank, world, outdir, codecs):
     """Step-0 sharded gradients with the biases sent in fp32 (uncompressed_numel=1: the 1-D
     tensors), all compressed, and uncompressed FSDP2's."""
-    model = make_model()
+    model = make_model(hidden=WIDE)
     loss_of(model, 0, rank).backward()
     out = {None: local_grads(model)}
     for codec in codecs:
         for u in (0, 1):
-            model = make_model()
+            model = make_model(hidden=WIDE)
             state = gradzip.fsdp.compress(model, codec, min_compress_numel=0, uncompressed_numel=u)
             loss_of(model, 0, rank).backward()
             out[(codec, u)] = local_grads(model)

@@ -5,8 +5,10 @@ from safetensors.torch import save_file
 
 import torch.nn.functional as F
 
+from gradzip.converge.conv_depth import ConvDepthModel
 from gradzip.converge.models import (CONFIGS, ViTEncoder, build_model, count_parameters, get_config,
                                      resize_separable)
+from gradzip.converge.tasks import task_of
 from gradzip.converge.weights import WeightLoadError, load_encoder_weights
 
 
@@ -32,22 +34,22 @@ def test_forward_gives_positive_depth_at_input_resolution():
     assert all(p.grad is not None for p in model.parameters())
     with pytest.raises(ValueError, match="multiple of 14"):
         model(torch.rand(1, 3, 40, 42))
-    with pytest.raises(ValueError, match="unknown model"):
+    with pytest.raises(ValueError, match="unknown ViT config 'vit-h14'; known: .*vit-t14"):
         get_config("vit-h14")
 
 
 def test_conv_model_gives_positive_depth_at_any_resolution():
     torch.manual_seed(0)
-    model = build_model("conv-s")
+    model = task_of("conv-s").build_model("conv-s")
     y = model(torch.rand(2, 3, 37, 50))  # odd sizes: the decoder resizes to each skip's size
     assert y.shape == (2, 1, 37, 50)
     assert (y > 0).all() and torch.isfinite(y).all()
     y.log().mean().backward()
     assert all(p.grad is not None for p in model.parameters())
-    with pytest.raises(ValueError, match="no overrides"):
-        build_model("conv-s", depth=3)
+    with pytest.raises(ValueError, match="known: .*conv-s"):
+        task_of("conv-xl")
     with pytest.raises(ValueError, match="conv-s"):
-        get_config("conv-xl")
+        ConvDepthModel("conv-xl")
 
 
 @pytest.mark.parametrize("mode, align_corners, size, out", [

@@ -7,6 +7,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dist_util import run_ranks
 from gradzip.converge.compression import Reducer, baseline_or_codec, bucket_bounds
+from gradzip.wire import MIN_COMPRESS_NUMEL
 
 N = 20011  # one parameter, odd size: one DDP bucket, shards of unequal size
 STEPS = 3
@@ -101,8 +102,8 @@ def test_uncompressed_tensors_per_run():
     from gradzip.converge.cli import overrides, parse_args
     from gradzip.converge.training import RunConfig
 
-    shapes = [(100, 50), (50,)]
-    gs = [torch.randn(5050, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+    shapes = [(100, 50), (70,)]  # a bias of 64 elements or more: compressed without the option
+    gs = [torch.randn(5070, generator=torch.Generator().manual_seed(r)) for r in range(2)]
     plain = Reducer("int8", 2, param_shapes=shapes)
     exact = Reducer("int8", 2, param_shapes=shapes, uncompressed_numel=1)
     out, ref = exact.reduce(gs), plain.reduce(gs)

@@ -111,13 +111,17 @@ def test_biases_sent_uncompressed(session):
     for run in load(outdir, "uncompressed", world):
         ref = run[None]
         for codec in UNCOMPRESSED:
+            compressed_differs = []
             for i, e in enumerate(ref):
                 exact, compressed = run[(codec, 1)][i], run[(codec, 0)][i]
                 if e.dim() == 1:
-                    assert rel(exact, e) <= 1e-6 and (world > 2 or torch.equal(exact, e)), (codec, i)
-                    assert rel(compressed, e) > 1e-4, (codec, i)
+                    assert rel(exact, e) <= 1e-5 and (world > 2 or torch.equal(exact, e)), (codec, i)
+                    compressed_differs.append(rel(compressed, e) > 1e-4)
                 else:
                     assert 1e-4 < rel(exact, e) < 1.0, (codec, i)
+            # the 200-element biases are compressed without the option (the 7-element one travels
+            # in fp32 anyway: each rank's part is shorter than a piece)
+            assert compressed_differs == [True, True, False], codec
             sent = [run[(codec, u, "stats")]["bytes_sent"] for u in (0, 1)]
             assert sent[1] > sent[0], (codec, sent)
 

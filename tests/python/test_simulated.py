@@ -271,11 +271,10 @@ def test_zero_size_tensors_carry_nothing():
 
 
 # ---- tensors sent uncompressed (uncompressed_numel) ---------------------------------------------
-# A 35-element weight beside a bias (too small to be a message of its own among compressed
-# neighbours, but it cannot merge with an fp32 one), two weights of 150 and 80, a 12-element weight
-# that merges into the one before it (< 64), another bias. With uncompressed_numel 10: the biases
-# travel in fp32.
-SHAPES = [(5, 7), (40,), (3, 50), (2, 40), (3, 4), (4,)]
+# A 35-element weight (shorter than a piece: fp32 whatever the option) beside a 70-element bias
+# (compressed without the option), two weights of 150 and 80, a 12-element weight (fp32, shorter
+# than a piece), a 4-element bias. With uncompressed_numel 10: the biases travel in fp32 too.
+SHAPES = [(5, 7), (70,), (3, 50), (2, 40), (3, 4), (4,)]
 
 
 def padded(message):
@@ -285,17 +284,18 @@ def padded(message):
 
 @pytest.mark.parametrize("spec", ["int8:block=32", "sign:block=64"])
 def test_uncompressed_tensors_are_fp32_messages_of_their_own(spec):
-    """One rank's send buffer (W = 1: one shard, prescale 1): every compressed piece encoded alone
-    as a bucket of only that piece would be, its blocks restarting at its start; the biases as fp32
-    messages; one 16-byte aligned slot each."""
+    """One rank's send buffer (W = 1: one shard, prescale 1): every compressed tensor encoded alone
+    as a bucket of only that tensor would be, its blocks restarting at its start; the biases and
+    the tensors shorter than a piece as fp32 messages, neighbours in one; one 16-byte aligned slot
+    each."""
     numels = [math.prod(s) for s in SHAPES]
     x = torch.randn(sum(numels), generator=torch.Generator().manual_seed(3))
     exact = [False, True, False, False, False, True]
     red = torch.classes.gradzip.BucketReduction(spec, 1, 0, numels, x, "wire", exact)
     red.encode(x, None)
     a, b, c, d, e, f = x.split(numels)
-    want = [gradzip.encode(a, spec), gradzip.encode(b, "fp32"), gradzip.encode(c, spec),
-            gradzip.encode(torch.cat([d, e]), spec), gradzip.encode(f, "fp32")]
+    want = [gradzip.encode(torch.cat([a, b]), "fp32"), gradzip.encode(c, spec),
+            gradzip.encode(d, spec), gradzip.encode(torch.cat([e, f]), "fp32")]
     assert torch.equal(red.send(), torch.cat([padded(m) for m in want]))
 
 

@@ -1,9 +1,12 @@
-"""Convergence harness: train a ViT/14 depth model under each gradzip codec and compare accuracy
-against bytes on the wire. Run ``python -m gradzip.converge --suite cpu-default --out DIR``.
+"""Convergence harness: train a model (a ViT/14 or U-Net depth model, or a small language model)
+under each gradzip codec and compare accuracy against bytes on the wire. Run
+``python -m gradzip.converge --suite cpu-default --out DIR``.
 
-Modules: models (ViT/14 encoder + DPT head), weights (local checkpoint loading), scenes
-(procedural RGB-D), datasets (NYU, KITTI, folder loaders), metrics, losses (SILog), compression
-(the simulated W-worker reduction over gradzip.simulation.SimulatedWorkers), training, distributed
+Modules: models (ViT/14 encoder + DPT head), conv_depth (the U-Net), char_lm (the byte-level
+language model), tasks (what a model learns: data, loss, evaluation, metric names), text (the
+language model's text), weights (local checkpoint loading), scenes (procedural RGB-D), datasets
+(NYU, KITTI, folder loaders), metrics, losses (SILog), compression (the simulated W-worker
+reduction over gradzip.simulation.SimulatedWorkers), training, distributed
 (real DDP under torchrun), suites, report, output (what cli and distributed share), cli. Only
 compression and distributed import the compiled extension, and only when a run needs it. Beyond
 torch the harness needs the ``converge`` extra: ``pip install 'gradzip[converge]'``.

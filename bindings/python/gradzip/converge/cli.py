@@ -40,7 +40,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, help="override the number of simulated workers")
     p.add_argument("--device", choices=("cpu", "cuda"), help="override the suite's device")
     p.add_argument("--data", help="nyu:FILE.mat | kitti:DEPTH_ROOT,RAW_ROOT | folder:DIR "
-                                  "(default: procedural scenes)")
+                                  "(default: procedural scenes; a language model's: "
+                                  "stdlib-docstrings)")
     p.add_argument("--weights", help="encoder weights, .pth or .safetensors (e.g. DINOv2's)")
     p.add_argument("--seed", type=int, help="the first seed (default: the suite's, 0)")
     p.add_argument("--seeds", type=int, default=1, help="train every run for N seeds (default 1)")

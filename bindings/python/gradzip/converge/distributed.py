@@ -1,6 +1,6 @@
 """Real data parallelism under torchrun: DistributedDataParallel with gradzip's ``compress_hook``
-(``--strategy ddp``), or FSDP2 (``fully_shard`` on every encoder block and the root) with gradzip's
-compressed reduce-scatter (``--strategy fsdp``, :mod:`gradzip.fsdp`).
+(``--strategy ddp``), or FSDP2 (``fully_shard`` on every transformer block and the root) with
+gradzip's compressed reduce-scatter (``--strategy fsdp``, :mod:`gradzip.fsdp`).
 
     torchrun --nproc-per-node 4 -m gradzip.converge --strategy ddp --suite cpu-default --out DIR
 
@@ -29,9 +29,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .compression import baseline_or_codec
 from .output import Progress, clear_results, summarise, write_suite_json
+from .tasks import task_of
 from .training import (RunConfig, RunFiles, batch_indices, compress_warmup_steps, data_key,
-                       eval_due, evaluate, finish, hook_optimizer, load_data, log_eval, make_model,
-                       make_optimizer, shard_loss)
+                       eval_due, finish, hook_optimizer, load_data, log_eval, make_model,
+                       make_optimizer)
 
 
 def _broadcast(obj, src: int = 0):
@@ -61,7 +62,7 @@ class _DDP:
 
 
 class _FSDP:
-    """The model under FSDP2 (each encoder block and the root sharded) with gradzip's compressed
+    """The model under FSDP2 (each transformer block and the root sharded) with gradzip's compressed
     reduce-scatter; each rank checkpoints its own parameter and optimizer shards."""
 
     name, sharded = "FSDP", True
@@ -72,9 +73,11 @@ class _FSDP:
         import gradzip.fsdp
 
         self.model = self.forward = make_model(cfg, device)
-        if not hasattr(self.model, "encoder"):
-            raise ValueError(f"--strategy fsdp shards a ViT's blocks; {cfg.model} has none")
-        for block in self.model.encoder.blocks:
+        # the transformer blocks: a ViT encoder's, or a language model's
+        blocks = getattr(getattr(self.model, "encoder", self.model), "blocks", None)
+        if blocks is None:
+            raise ValueError(f"--strategy fsdp shards a transformer's blocks; {cfg.model} has none")
+        for block in blocks:
             fully_shard(block)
         fully_shard(self.model)
         self.opt, self.sched = make_optimizer(cfg, self.model, compress_direction=False)
@@ -94,6 +97,7 @@ def train_distributed(cfg: RunConfig, out: Path, data, device, strategy, progres
     if done is not None:
         return done
     train, test = data
+    task = task_of(cfg.model)
     run = strategy(cfg, device)
     model, opt, sched, state = run.model, run.opt, run.sched, run.state
     rank_ckpt = out / "checkpoints" / f"{cfg.name.replace(':', '_')}-s{cfg.seed}.rank{rank}.pt"
@@ -109,13 +113,13 @@ def train_distributed(cfg: RunConfig, out: Path, data, device, strategy, progres
         start, wall = ckpt["step"], ckpt["wall_s"]
     if rank == 0:
         files.truncate_logs(start)
-    n_train, b = train["rgb"].shape[0], cfg.batch_per_worker
+    n_train, b = task.train_size(cfg, train), cfg.batch_per_worker
     log = open(files.steps, "a") if rank == 0 else None
     model.train()
     for step in range(start, cfg.steps):
         t0 = time.perf_counter()
         idx = batch_indices(cfg.seed, step, n_train, world * b)[rank * b:(rank + 1) * b]
-        loss = shard_loss(run.forward, cfg, train, idx, device)
+        loss = task.shard_loss(run.forward, cfg, train, idx, device)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -123,11 +127,10 @@ def train_distributed(cfg: RunConfig, out: Path, data, device, strategy, progres
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss)  # for the log only: the mean over workers, as simulated
         wall += time.perf_counter() - t0
-        evaluating = eval_due(cfg, step + 1)
         # FSDP's forward all-gathers the parameters: every rank evaluates; DDP's replicas: rank 0
         # (the others wait in the next step's all-reduce)
-        metrics = evaluate(model, cfg, test, device) if evaluating and (run.sharded or rank == 0) \
-            else None
+        evaluating = eval_due(cfg, step + 1) and (run.sharded or rank == 0)
+        metrics = task.evaluate(model, cfg, test, device) if evaluating else None
         if rank == 0:
             stats = state.stats
             loss_v = float(mean_loss) / world

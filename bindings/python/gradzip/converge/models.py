@@ -64,10 +64,7 @@ def get_config(name: str, **overrides) -> ViTConfig:
     try:
         cfg = CONFIGS[name]
     except KeyError:
-        from .conv_depth import CONV_CONFIGS
-
-        raise ValueError(f"unknown model {name!r}; known: "
-                         f"{', '.join([*CONFIGS, *CONV_CONFIGS])}") from None
+        raise ValueError(f"unknown ViT config {name!r}; known: {', '.join(CONFIGS)}") from None
     return replace(cfg, **overrides) if overrides else cfg
 
 
@@ -84,18 +81,20 @@ class PatchEmbed(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, width: int, heads: int):
+    """Multi-head self-attention; ``causal``: each token attends to itself and those before it."""
+
+    def __init__(self, width: int, heads: int, causal: bool = False):
         super().__init__()
         if width % heads:
             raise ValueError(f"width {width} is not divisible by heads {heads}")
-        self.heads = heads
+        self.heads, self.causal = heads, causal
         self.qkv = nn.Linear(width, 3 * width)
         self.proj = nn.Linear(width, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, n, d = x.shape
         q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        x = F.scaled_dot_product_attention(q, k, v)
+        x = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
         return self.proj(x.transpose(1, 2).reshape(b, n, d))
 
 
@@ -310,14 +309,8 @@ class DepthModel(nn.Module):
         return torch.exp(log_depth.float().clamp(-10.0, 10.0))
 
 
-def build_model(name: str, **overrides) -> nn.Module:
-    """A depth model by name: a ViT/14 + DPT (CONFIGS) or a small U-Net (conv_depth.CONV_CONFIGS)."""
-    from .conv_depth import CONV_CONFIGS, ConvDepthModel  # it imports this module's constants
-
-    if name in CONV_CONFIGS:
-        if overrides:
-            raise ValueError(f"{name}: a conv model takes no overrides, got {sorted(overrides)}")
-        return ConvDepthModel(name)
+def build_model(name: str, **overrides) -> DepthModel:
+    """A ViT/14 + DPT depth model by config name (CONFIGS)."""
     return DepthModel(get_config(name, **overrides))
 
 

@@ -14,6 +14,7 @@ import torch
 from .._extras import require
 from . import report
 from .provenance import environment
+from .tasks import task_of
 from .training import RunConfig, RunFiles, read_jsonl
 
 
@@ -26,6 +27,7 @@ class Progress:
 
     def __init__(self, cfg: RunConfig, quiet: bool):
         self.name, self.total = f"{cfg.name:>14} s{cfg.seed}", cfg.steps
+        self.task = task_of(cfg.model)
         self.step, self.loss = 0, None
         self.lines = not quiet and not sys.stdout.isatty()
         self.bar = None
@@ -46,7 +48,8 @@ class Progress:
             self.bar.refresh()
 
     def evaluated(self, step: int, metrics: dict) -> None:
-        self.say(f"step {step}/{self.total} loss {self.loss:.4f} AbsRel {metrics['abs_rel']:.4f}")
+        self.say(f"step {step}/{self.total} loss {self.loss:.4f} {self.task.label} "
+                 f"{metrics[self.task.headline]:.4f}")
 
     def close(self) -> None:
         if self.bar is not None:
@@ -74,13 +77,15 @@ def summarise(out: Path, suite_name: str, configs: list[RunConfig], results: lis
         with open(out / f"{name}.jsonl", "w") as f:
             for cfg in configs:
                 f.write(getattr(RunFiles(out, cfg), name).read_text())
-    table = report.rows(results, read_jsonl(out / "evals.jsonl"))
-    agg = report.aggregate(table)
-    written = report.write_all(out, table, agg, results, f"gradzip convergence: {suite_name}")
+    task = task_of(results[0]["config"]["model"])  # a suite's runs share their model
+    table = report.rows(results, read_jsonl(out / "evals.jsonl"), task)
+    agg = report.aggregate(table, task)
+    written = report.write_all(out, table, agg, results, f"gradzip convergence: {suite_name}",
+                               task)
     cfg = results[0]["config"]
     seeds = sorted({r["seed"] for r in results})
     print(f"\n{suite_name}: {cfg['model']}, {cfg['workers']} workers, {cfg['steps']} steps "
           f"({results[0]['params']:,} parameters), seeds {', '.join(map(str, seeds))}\n")
-    print(report.markdown(agg, report.MAIN))
+    print(report.markdown(agg, report.main_columns(task)))
     print(f"written in {out}: {', '.join(p.name for p in written)}, steps.jsonl, evals.jsonl")
     return 0

@@ -3,8 +3,9 @@
 What is computed from the training alone is deterministic, so the same command writes the same
 bytes: summary.csv (one row per run and seed), aggregate.csv and summary.md (per run: mean and
 standard deviation over seeds, the paired difference to fp32, steps to target). Measured times
-vary from one execution to the next and go to timings.csv only. Plots: abs_rel_vs_bytes.png,
-loss_curves.png, steps_to_target.png.
+vary from one execution to the next and go to timings.csv only. Plots: <headline>_vs_bytes.png
+(abs_rel_vs_bytes.png for depth), loss_curves.png, steps_to_target.png. The metric columns are
+the task's (tasks.py): its metrics, and its headline metric compared with fp32's of the same seed.
 """
 from __future__ import annotations
 
@@ -14,50 +15,73 @@ from pathlib import Path
 
 from .._extras import require
 from .compression import BASELINE
-from .metrics import NAMES
+from .tasks import Task
 from .training import read_jsonl
 
-# Steps to target: the first evaluation at which a run's AbsRel is within 5 % of the final AbsRel
-# of the fp32 run of the same seed, i.e. how long a codec takes to get where fp32 ends up.
+# Steps to target: the first evaluation at which a run's headline metric (AbsRel) is within 5 % of
+# the final one of the fp32 run of the same seed, i.e. how long a codec takes to get where fp32
+# ends up.
 TARGET = 1.05
 
 ID = ("run", "codec", "error_feedback")
-METRICS = NAMES + ("final_loss",)
-PAIRED = ("abs_rel_vs_fp32_pct", "steps_to_target")  # need the fp32 run of the same seed
 # compression_ratio: over the whole run, uncompressed warm-up included; steady_ratio: once the
 # compression has started. total_bytes: what one worker sent over the whole run.
 BYTES = ("bytes_per_step", "total_bytes", "compression_ratio", "steady_ratio")
-SUMMARY = ID + ("seed",) + BYTES + METRICS + PAIRED
-SPREAD = METRICS + PAIRED  # reported as mean and std over seeds
-AGGREGATE = (ID + ("seeds",) + BYTES
-             + tuple(f"{k}_{s}" for k in SPREAD for s in ("mean", "std")) + ("target_reached",))
 TIMINGS = ("run", "seed", "wall_s", "codec_ms")
-MAIN = (("run", "run"), ("bytes/step", "bytes_per_step"), ("ratio, whole run", "compression_ratio"),
-        ("ratio, compressing", "steady_ratio"),
-        ("AbsRel", "abs_rel"), ("AbsRel, median-scaled", "abs_rel_med"), ("RMSE", "rmse"),
-        ("δ1", "delta1"), ("AbsRel vs fp32 (%)", "abs_rel_vs_fp32_pct"),
-        ("steps to target", "steps_to_target"))
 
 
-def steps_to_target(evals: list[dict], target: float) -> int | None:
-    """The first evaluated step with AbsRel <= target; None if there is none."""
+def metric_columns(task: Task) -> tuple[str, ...]:
+    return task.metrics + ("final_loss",)
+
+
+def paired(task: Task) -> tuple[str, str]:
+    """The columns that need the fp32 run of the same seed."""
+    return f"{task.headline}_vs_fp32_pct", "steps_to_target"
+
+
+def summary_columns(task: Task) -> tuple[str, ...]:
+    return ID + ("seed",) + BYTES + metric_columns(task) + paired(task)
+
+
+def spread_columns(task: Task) -> tuple[str, ...]:
+    """The columns reported as mean and std over seeds."""
+    return metric_columns(task) + paired(task)
+
+
+def aggregate_columns(task: Task) -> tuple[str, ...]:
+    return (ID + ("seeds",) + BYTES
+            + tuple(f"{k}_{s}" for k in spread_columns(task) for s in ("mean", "std"))
+            + ("target_reached",))
+
+
+def main_columns(task: Task) -> tuple[tuple[str, str], ...]:
+    """summary.md's per-run table: (header, key)."""
+    return ((("run", "run"), ("bytes/step", "bytes_per_step"),
+             ("ratio, whole run", "compression_ratio"), ("ratio, compressing", "steady_ratio"))
+            + task.shown + ((f"{task.label} vs fp32 (%)", paired(task)[0]),
+                            ("steps to target", "steps_to_target")))
+
+
+def steps_to_target(evals: list[dict], key: str, target: float) -> int | None:
+    """The first evaluated step with ``key`` <= target; None if there is none."""
     return next((e["step"] for e in sorted(evals, key=lambda e: e["step"])
-                 if e["abs_rel"] <= target), None)
+                 if e[key] <= target), None)
 
 
-def rows(results: list[dict], evals: list[dict]) -> list[dict]:
+def rows(results: list[dict], evals: list[dict], task: Task) -> list[dict]:
     """summary.csv: one row per result, with its paired comparison to fp32 of the same seed."""
     curves: dict[tuple, list[dict]] = {}
     for e in evals:
         curves.setdefault((e["run"], e["seed"]), []).append(e)
-    fp32 = {r["seed"]: r["abs_rel"] for r in results if r["run"] == BASELINE}
+    key, vs_fp32 = task.headline, paired(task)[0]
+    fp32 = {r["seed"]: r[key] for r in results if r["run"] == BASELINE}
     table = []
     for r in results:
-        row = {k: r[k] for k in SUMMARY if k not in PAIRED}
+        row = {k: r[k] for k in summary_columns(task) if k not in paired(task)}
         ref = fp32.get(r["seed"])
-        row["abs_rel_vs_fp32_pct"] = None if ref is None else 100 * (r["abs_rel"] / ref - 1)
+        row[vs_fp32] = None if ref is None else 100 * (r[key] / ref - 1)
         row["steps_to_target"] = None if ref is None else steps_to_target(
-            curves.get((r["run"], r["seed"]), []), TARGET * ref)
+            curves.get((r["run"], r["seed"]), []), key, TARGET * ref)
         table.append(row)
     return table
 
@@ -71,7 +95,7 @@ def mean_std(xs) -> tuple[float | None, float | None]:
     return statistics.fmean(xs), statistics.stdev(xs) if len(xs) > 1 else None
 
 
-def aggregate(table: list[dict]) -> list[dict]:
+def aggregate(table: list[dict], task: Task) -> list[dict]:
     """aggregate.csv: one row per run over its seeds. Steps to target is averaged over the seeds
     that reach it; ``target_reached`` counts them."""
     runs: dict[str, list[dict]] = {}
@@ -82,7 +106,7 @@ def aggregate(table: list[dict]) -> list[dict]:
         a = {k: rs[0][k] for k in ID} | {"seeds": len(rs)}
         for k in BYTES:  # the codec's: the same for each seed
             a[k] = statistics.fmean(r[k] for r in rs)
-        for k in SPREAD:
+        for k in spread_columns(task):
             a[f"{k}_mean"], a[f"{k}_std"] = mean_std(r[k] for r in rs)
         a["target_reached"] = sum(r["steps_to_target"] is not None for r in rs)
         out.append(a)
@@ -120,7 +144,7 @@ def _value(key: str, v) -> str:
         return f"{v:.0f}"
     if key in ("compression_ratio", "steady_ratio"):
         return f"{v:.1f}"
-    if key == "abs_rel_vs_fp32_pct":
+    if key.endswith("_vs_fp32_pct"):
         return f"{v:+.2f}"
     return f"{v:.4f}"
 
@@ -142,27 +166,29 @@ def markdown(table: list[dict], columns: tuple[tuple[str, str], ...]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_markdown(path: Path, table: list[dict], agg: list[dict], title: str) -> None:
+def write_markdown(path: Path, table: list[dict], agg: list[dict], title: str,
+                   task: Task) -> None:
     seeds = sorted({r["seed"] for r in table})
+    m = task.label
     path.write_text(
         f"# {title}\n\nSeeds: {', '.join(map(str, seeds))}. Per run: mean ± standard deviation "
-        f"over the seeds (ddof 1). AbsRel vs fp32: AbsRel / AbsRel of the fp32 run of the same "
+        f"over the seeds (ddof 1). {task.note}{m} vs fp32: {m} / {m} of the fp32 run of the same "
         f"seed - 1, in percent (mean ± std over seeds). Steps to target: the first evaluation "
-        f"with AbsRel <= {TARGET} x the final AbsRel of the fp32 run of the same seed (mean "
+        f"with {m} <= {TARGET} x the final {m} of the fp32 run of the same seed (mean "
         f"over the seeds that reach it). Measured times: timings.csv.\n\n"
-        f"{markdown(agg, MAIN)}\nEvery run and seed (summary.csv):\n\n"
-        f"{markdown(table, tuple((k, k) for k in SUMMARY))}")
+        f"{markdown(agg, main_columns(task))}\nEvery run and seed (summary.csv):\n\n"
+        f"{markdown(table, tuple((k, k) for k in summary_columns(task)))}")
 
 
 def write_all(out: Path, table: list[dict], agg: list[dict], results: list[dict],
-              title: str) -> list[Path]:
+              title: str, task: Task) -> list[Path]:
     """Every output file but the logs; returns their paths."""
     paths = [out / "summary.csv", out / "aggregate.csv", out / "timings.csv", out / "summary.md"]
-    write_csv(paths[0], table, SUMMARY)
-    write_csv(paths[1], agg, AGGREGATE)
+    write_csv(paths[0], table, summary_columns(task))
+    write_csv(paths[1], agg, aggregate_columns(task))
     write_csv(paths[2], results, TIMINGS)
-    write_markdown(paths[3], table, agg, title)
-    return paths + plot(out, agg)
+    write_markdown(paths[3], table, agg, title, task)
+    return paths + plot(out, agg, task)
 
 
 def _by_run(recs: list[dict]) -> dict[str, list[list[dict]]]:
@@ -186,12 +212,13 @@ def _band(ax, x, ys, label: str):
         ax.fill_between(x, m - s, m + s, color=line.get_color(), alpha=0.2, linewidth=0)
 
 
-def plot(out: Path, agg: list[dict]) -> list[Path]:
+def plot(out: Path, agg: list[dict], task: Task) -> list[Path]:
     matplotlib = require("matplotlib", "converge")
     matplotlib.use("Agg")
     plt = require("matplotlib.pyplot", "converge")
 
-    paths = [out / "abs_rel_vs_bytes.png", out / "loss_curves.png", out / "steps_to_target.png"]
+    key = task.headline
+    paths = [out / f"{key}_vs_bytes.png", out / "loss_curves.png", out / "steps_to_target.png"]
     n_seeds = max(a["seeds"] for a in agg)
     spread = f"mean ± std over {n_seeds} seeds" if n_seeds > 1 else "1 seed"
 
@@ -200,14 +227,14 @@ def plot(out: Path, agg: list[dict]) -> list[Path]:
     for a in agg:
         c = colours.setdefault(a["codec"], f"C{len(colours)}")  # one colour per codec
         hollow = not a["error_feedback"] and a["codec"] != BASELINE
-        ax.errorbar(a["bytes_per_step"], a["abs_rel_mean"], yerr=a["abs_rel_std"] or 0, fmt="o",
+        ax.errorbar(a["bytes_per_step"], a[f"{key}_mean"], yerr=a[f"{key}_std"] or 0, fmt="o",
                     ms=8, color=c, mfc="none" if hollow else c, mew=1.5, capsize=3)
         ax.annotate(f"{a['codec']}{' (no EF)' if hollow else ''}",
-                    (a["bytes_per_step"], a["abs_rel_mean"]), textcoords="offset points",
+                    (a["bytes_per_step"], a[f"{key}_mean"]), textcoords="offset points",
                     xytext=(6, 4), fontsize=8, color=c)
     ax.set_xscale("log")
     ax.set_xlabel("bytes on the wire per worker per step (log)")
-    ax.set_ylabel("AbsRel on held-out scenes (lower is better)")
+    ax.set_ylabel(f"{task.axis} (lower is better)")
     ax.set_title(f"Accuracy vs bandwidth ({spread}; hollow: without error feedback)", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
@@ -217,7 +244,7 @@ def plot(out: Path, agg: list[dict]) -> list[Path]:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, seeds in _by_run(read_jsonl(out / "steps.jsonl")).items():
         curves = []
-        for recs in seeds:  # smoothed: the per-step loss of 16 images is noisy
+        for recs in seeds:  # smoothed: the per-step loss of one small batch is noisy
             ema, ys = None, []
             for r in recs:
                 ema = r["loss"] if ema is None else 0.9 * ema + 0.1 * r["loss"]
@@ -225,7 +252,7 @@ def plot(out: Path, agg: list[dict]) -> list[Path]:
             curves.append(ys)
         _band(ax, [r["step"] for r in seeds[0]], curves, name)
     ax.set_xlabel("step")
-    ax.set_ylabel("SILog training loss (EMA 0.9)")
+    ax.set_ylabel(f"{task.loss_axis} (EMA 0.9)")
     ax.set_title(f"Training loss ({spread})", fontsize=10)
     ax.legend(fontsize=8)
     ax.grid(True, which="both", alpha=0.3)
@@ -235,14 +262,14 @@ def plot(out: Path, agg: list[dict]) -> list[Path]:
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, seeds in _by_run(read_jsonl(out / "evals.jsonl")).items():
-        _band(ax1, [e["step"] for e in seeds[0]], [[e["abs_rel"] for e in s] for s in seeds], name)
+        _band(ax1, [e["step"] for e in seeds[0]], [[e[key] for e in s] for s in seeds], name)
     ref = next((a for a in agg if a["run"] == BASELINE), None)
     if ref is not None:
-        ax1.axhline(TARGET * ref["abs_rel_mean"], color="k", linewidth=1, linestyle=":",
+        ax1.axhline(TARGET * ref[f"{key}_mean"], color="k", linewidth=1, linestyle=":",
                     label=f"target: {TARGET} x final fp32")
     ax1.set_xlabel("step")
-    ax1.set_ylabel("AbsRel on held-out scenes")
-    ax1.set_title(f"Test AbsRel during training ({spread})", fontsize=10)
+    ax1.set_ylabel(task.axis)
+    ax1.set_title(f"Test {task.label} during training ({spread})", fontsize=10)
     ax1.legend(fontsize=8)
     ax1.grid(True, alpha=0.3)
     ys = range(len(agg))

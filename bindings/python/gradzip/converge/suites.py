@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from .text import STDLIB_DOCSTRINGS
 from .training import RunConfig
 
 # The codec list of the study: the uncompressed baseline, the casts, int8, and the two aggressive
@@ -31,6 +32,10 @@ SGD_STUDY = (("fp32", False), ("bf16", True), ("int8", True), ("sign", True), ("
              ("topk:0.01:values=fp16", True, DGC))
 
 
+# The study for a language model: the same codecs but fp16 (bf16 stands for the 2-byte casts).
+LM_STUDY = tuple(run for run in STUDY if run[0] != "fp16")
+
+
 @dataclass(frozen=True)
 class Suite:
     name: str
@@ -53,6 +58,10 @@ CPU_SGD = RunConfig(model="conv-s", image_size=56, workers=4, batch_per_worker=4
                     warmup_steps=30, lr=0.05, weight_decay=0.0, optimizer_family="sgd",
                     train_scenes=4096, test_scenes=256, eval_every=100)
 
+# A byte-level transformer on the standard library's docstrings; 8 windows of 129 bytes a worker.
+CPU_LM = RunConfig(model="lm-s", data=STDLIB_DOCSTRINGS, workers=4, batch_per_worker=8, steps=600,
+                   warmup_steps=60, lr=2e-3, eval_every=100)
+
 SUITES = {
     "cpu-default": Suite(
         "cpu-default",
@@ -70,6 +79,11 @@ SUITES = {
         CPU_SGD, SGD_STUDY, "cpu",
         "a small convolutional depth model (conv-s, 56 px) under SGD with momentum 0.9, "
         "4 simulated workers, 600 steps: the SGD recipes, DGC's masking and clipping for top-k"),
+    "cpu-lm": Suite(
+        "cpu-lm",
+        CPU_LM, LM_STUDY, "cpu",
+        "a small transformer language model (lm-s) on the Python standard library's docstrings, "
+        "AdamW, 4 simulated workers, 600 steps: validation loss (nats/char) against fp32's"),
     "cpu-smoke": Suite(
         "cpu-smoke",
         RunConfig(model="vit-t14", image_size=56, workers=2, batch_per_worker=2, steps=30,

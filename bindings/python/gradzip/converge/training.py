@@ -1,4 +1,5 @@
-"""One training run of the depth model under one codec: data, schedule, steps, checkpoints, eval.
+"""One training run under one codec: data, schedule, steps, checkpoints, eval. What the model
+learns (depth, or the next byte of a text) is the run's task (tasks.py), chosen by the model's name.
 
 The same run is defined for both modes: at step s the global batch is drawn from a generator
 seeded by (seed, s) and split into W equal shards, shard w going to worker (or rank) w. In the
@@ -11,17 +12,16 @@ scheduler and error-feedback state.
 A run is evaluated on the test set every ``eval_every`` steps and after its last step (the
 result's metrics are those of that last evaluation). Its files (``RunFiles``) are its own, so
 runs can go in parallel processes; a result or checkpoint counts only under the key it was
-written with: the RunConfig and ``provenance.environment()`` (code version, torch, threads...).
+written with: the RunConfig, ``provenance.environment()`` (code version, torch, threads...) and
+whatever else the task's data depends on (a text's SHA-256).
 """
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 import os
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,12 +30,8 @@ import torch
 from ..optim import CompressedSGD, FrozenVarianceAdamW
 from ..optim import compresses_direction as recipe
 from .compression import BASELINE, Reducer, canonical_codec
-from .datasets import ProceduralDepth, materialize, open_dataset
-from .losses import silog_loss
-from .metrics import NAMES, MetricAccumulator
-from .models import build_model
-from .provenance import code_hash, environment
-from .scenes import SceneConfig
+from .provenance import environment
+from .tasks import task_of
 from .weights import load_encoder_weights
 
 
@@ -63,7 +59,8 @@ class RunConfig:
     param_codec: str | None = None  # FSDP only: its parameter all-gathers in this codec
     uncompressed_numel: int = 0  # int8/sign: 1-D tensors and those under N elements sent in fp32
     seed: int = 0
-    data: str = "procedural"  # or nyu:FILE / kitti:DEPTH,RAW / folder:DIR
+    data: str = "procedural"  # or nyu:FILE / kitti:DEPTH,RAW / folder:DIR; a language model's:
+    # a text of text.TEXTS (the image and scene settings do not apply to it)
     train_scenes: int = 512  # procedural only
     test_scenes: int = 64
     max_depth: float = 10.0  # evaluation cap (NYU: 10 m; KITTI: 80 m)
@@ -123,47 +120,18 @@ def setup_process(device: torch.device, threads: int) -> None:
 
 def data_key(cfg: RunConfig) -> tuple:
     """The settings ``load_data`` reads: runs that agree on them share their data."""
-    return cfg.data, cfg.image_size, cfg.train_scenes, cfg.test_scenes, cfg.max_depth, cfg.seed
-
-
-def procedural_scenes(n: int, seed: int, scene: SceneConfig, cache: Path | None) -> dict:
-    """Scenes 0..n-1 of ``seed``, kept in ``cache`` (if given) under a key of everything they
-    depend on: rendering takes ~10 ms a scene, and every run of a seed trains on the same ones."""
-    if cache is None:
-        return materialize(ProceduralDepth(n, seed, scene))
-    key = json.dumps({"n": n, "seed": seed, "scene": dataclasses.asdict(scene),
-                      "code": code_hash()}, sort_keys=True)
-    path = cache / f"procedural-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
-    if path.is_file():
-        return torch.load(path, weights_only=True)
-    full = materialize(ProceduralDepth(n, seed, scene))
-    cache.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # parallel jobs may render the same scenes
-    torch.save(full, tmp)
-    os.replace(tmp, path)
-    return full
+    return task_of(cfg.model).data_key(cfg)
 
 
 def load_data(cfg: RunConfig, cache: Path | None = None) -> tuple[dict, dict]:
-    """(train, test) tensors at the run's image size; procedural scenes cached in ``cache``."""
-    size = (cfg.image_size, cfg.image_size)
-    if cfg.data == "procedural":
-        scene = SceneConfig(height=cfg.image_size, width=cfg.image_size, max_depth=cfg.max_depth)
-        full = procedural_scenes(cfg.train_scenes + cfg.test_scenes, cfg.seed, scene, cache)
-    else:
-        full = materialize(open_dataset(cfg.data), size)
-    n = next(iter(full.values())).shape[0]
-    n_test = cfg.test_scenes if cfg.data == "procedural" else max(1, n // 10)
-    if n - n_test < 1:
-        raise ValueError(f"dataset has {n} samples: too few to hold out {n_test} for testing")
-    train = {k: v[: n - n_test] for k, v in full.items()}
-    test = {k: v[n - n_test:] for k, v in full.items()}
-    return train, test
+    """(train, test) of the run's task; what is slow to make (procedural scenes) cached in
+    ``cache``."""
+    return task_of(cfg.model).load_data(cfg, cache)
 
 
 def make_model(cfg: RunConfig, device: torch.device) -> torch.nn.Module:
     torch.manual_seed(cfg.seed)  # every codec starts from the same weights
-    model = build_model(cfg.model)
+    model = task_of(cfg.model).build_model(cfg.model)
     if cfg.weights and not hasattr(model, "encoder"):
         raise ValueError(f"{cfg.model} has no pretrained encoder to load {cfg.weights} into")
     if cfg.weights:
@@ -174,8 +142,11 @@ def make_model(cfg: RunConfig, device: torch.device) -> torch.nn.Module:
 # The optimizers a run can name; gradzip.optim's need the Reducer or CompressionState to be given
 # them (hook_optimizer). Betas and eps: AdamW's defaults for all; SGD's momentum 0.9 (torch's SGD
 # couples its weight decay to the gradient, CompressedSGD decouples it: the SGD suite runs none).
+# "amsgrad": COMP-AMS's form, torch's AdamW with AMSGrad's running maximum of the variance on the
+# averaged error-feedback gradients (one state, identical on every rank, as for "adamw").
 OPTIMIZERS = {"adamw": torch.optim.AdamW, "frozen-variance-adamw": FrozenVarianceAdamW,
-              "sgd": torch.optim.SGD, "compressed-sgd": CompressedSGD}
+              "amsgrad": torch.optim.AdamW, "sgd": torch.optim.SGD,
+              "compressed-sgd": CompressedSGD}
 FAMILIES = {"adamw": ("adamw", "frozen-variance-adamw"), "sgd": ("sgd", "compressed-sgd")}
 
 
@@ -225,40 +196,13 @@ def make_optimizer(cfg: RunConfig, model: torch.nn.Module, compress_direction: b
     name = optimizer_name(cfg)
     if not compress_direction:
         name = FAMILIES[cfg.optimizer_family][0]
-    options = {"sgd": {"momentum": 0.9},
+    options = {"amsgrad": {"amsgrad": True}, "sgd": {"momentum": 0.9},
                "compressed-sgd": {"momentum": 0.9, "momentum_masking": cfg.momentum_masking,
                                   "local_clip_norm": cfg.local_clip_norm}}.get(name, {})
     opt = OPTIMIZERS[name](groups, lr=cfg.lr, **options)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_factor(s, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio))
     return opt, sched
-
-
-def autocast(cfg: RunConfig, device: torch.device):
-    if cfg.amp and device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return nullcontext()
-
-
-def shard_loss(model, cfg: RunConfig, train: dict, idx: torch.Tensor, device) -> torch.Tensor:
-    rgb = train["rgb"][idx].to(device, non_blocking=True)
-    depth = train["depth"][idx].to(device, non_blocking=True)
-    with autocast(cfg, device):
-        pred = model(rgb)
-    return silog_loss(pred.float(), depth)
-
-
-@torch.no_grad()
-def evaluate(model, cfg: RunConfig, test: dict, device, batch: int = 16) -> dict[str, float]:
-    model.eval()
-    acc = MetricAccumulator(max_depth=cfg.max_depth)
-    n = test["rgb"].shape[0]
-    for i in range(0, n, batch):
-        with autocast(cfg, device):
-            pred = model(test["rgb"][i:i + batch].to(device))
-        acc.update(pred.float().cpu(), test["depth"][i:i + batch])
-    model.train()
-    return acc.compute()
 
 
 def log_eval(files: "RunFiles", progress, done: int, metrics: dict) -> None:
@@ -290,6 +234,8 @@ class RunFiles:
         self.steps = out / "runs" / f"{stem}.steps.jsonl"
         self.evals = out / "runs" / f"{stem}.evals.jsonl"
         self.key = {"config": dataclasses.asdict(cfg), "environment": environment()}
+        if (data := task_of(cfg.model).provenance(cfg)) is not None:
+            self.key["data"] = data  # e.g. the text's SHA-256
         self.ckpt.parent.mkdir(parents=True, exist_ok=True)
         self.result.parent.mkdir(parents=True, exist_ok=True)
 
@@ -351,6 +297,7 @@ def train_simulated(cfg: RunConfig, out: Path, data: tuple[dict, dict], device: 
     if (res := files.done()) is not None:
         return res
     train, test = data
+    task = task_of(cfg.model)
     model = make_model(cfg, device)
     params = [p for p in model.parameters() if p.requires_grad]
     opt, sched = make_optimizer(cfg, model)
@@ -367,7 +314,7 @@ def train_simulated(cfg: RunConfig, out: Path, data: tuple[dict, dict], device: 
         reducer.load_state_dict(state["reducer"])
         start, wall = state["step"], state["wall_s"]
     files.truncate_logs(start)
-    n_train = train["rgb"].shape[0]
+    n_train = task.train_size(cfg, train)
     b = cfg.batch_per_worker
     model.train()
     with open(files.steps, "a") as log:
@@ -376,7 +323,7 @@ def train_simulated(cfg: RunConfig, out: Path, data: tuple[dict, dict], device: 
             idx = batch_indices(cfg.seed, step, n_train, cfg.workers * b)
             grads, losses = [], []
             for w in range(cfg.workers):
-                loss = shard_loss(model, cfg, train, idx[w * b:(w + 1) * b], device)
+                loss = task.shard_loss(model, cfg, train, idx[w * b:(w + 1) * b], device)
                 grads.append(flat_grads(params, torch.autograd.grad(loss, params,
                                                                     allow_unused=True)))
                 losses.append(loss.detach())
@@ -398,7 +345,7 @@ def train_simulated(cfg: RunConfig, out: Path, data: tuple[dict, dict], device: 
             if progress is not None:
                 progress(step + 1, loss_v)
             if eval_due(cfg, step + 1):
-                log_eval(files, progress, step + 1, evaluate(model, cfg, test, device))
+                log_eval(files, progress, step + 1, task.evaluate(model, cfg, test, device))
             if (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
                 log.flush()
                 files.save_checkpoint({"step": step + 1, "wall_s": wall,
@@ -418,7 +365,7 @@ def finish(files: RunFiles, cfg: RunConfig, numel: int, wall: float) -> dict:
     evals = read_jsonl(files.evals)
     if not evals or evals[-1]["step"] != cfg.steps:
         raise RuntimeError(f"{cfg.name}: no evaluation after the last step in {files.evals}")
-    metrics = {k: evals[-1][k] for k in NAMES}
+    metrics = {k: evals[-1][k] for k in task_of(cfg.model).metrics}
     total_bytes = sum(r["bytes"] for r in recs)
     bytes_per_step = total_bytes / len(recs)
     raw_bytes = sum(r["raw_bytes"] for r in recs) / len(recs)

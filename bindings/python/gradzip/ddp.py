@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from . import _ops  # noqa: F401  (loads the extension that defines torch.classes.gradzip)
 from ._groups import gather_group_name, reducing_group, require_same_config
-from .bucket_state import StateStore, layout_numels, layout_rows, param_offsets
+from .bucket_state import StateStore, param_offsets
 from .reducer import STATE_VERSION, ReducerConfig, ReducerState
 from .wire import MIN_COMPRESS_NUMEL
 
@@ -205,32 +205,24 @@ class CompressionState(ReducerState):
 
     def _reduce(self, index, bucket_view, x, layout, st):
         """Enqueues one reduction of ``x`` (the bucket's float32 values) in C++; returns its Future."""
-        cfg, numels, n = self.config, layout_numels(layout), layout[0]
-        rows, exact = layout_rows(layout), cfg.exact(layout)
-        compressed = cfg.compresses(self.step, n, self._world)
-        plan = cfg.transport(self.step, n, self._world)
-        self._stats.add(plan, numels, self._world, self._rank, rows, exact)
-        if self._guard is not None and st is not None:
-            # Before any update (an overflow step undoes all): the moments the direction updates
-            # here; the C++ reduction saves the residuals and Q factors it updates itself.
-            self._guard.save(st.moments)
-        selected = cfg.apply_direction(x, st, compressed, self._world, numels, exact)
-        if cfg.plan.lowrank_rank and compressed:
-            fut = self._runtime_of_step().reduce_lowrank(index, bucket_view, x, numels, rows,
-                                                         st.residual, st.q)
+        bucket = self.config.begin_bucket(self.step, layout, self._world, self._rank, self._stats,
+                                          reduction_guards=True)
+        selected = bucket.send(x, st, self._guard)
+        if bucket.lowrank:
+            fut = self._runtime_of_step().reduce_lowrank(index, bucket_view, x, bucket.numels,
+                                                         bucket.rows, st.residual, st.q)
         else:
-            # Residuals belong to the codec's steps only: a warm-up codec sends without feedback.
-            residuals = ((st.residual, st.owner_residual) if st is not None and compressed
-                         else (None,) * 2)
-            fut = self._runtime_of_step().reduce(index, bucket_view, x, numels, *residuals,
-                                                 plan is not None, exact)
-        if cfg.direction is None:
+            fb = bucket.feedback(st)
+            residuals = (None,) * 2 if fb is None else (fb.residual, fb.owner_residual)
+            fut = self._runtime_of_step().reduce(index, bucket_view, x, bucket.numels, *residuals,
+                                                 bucket.plan is not None, bucket.exact)
+        if self.config.direction is None:
             return fut
 
         def finish(f):
             out = f.value()[0]
             avg = out if out.dtype == torch.float32 else out.float()
-            cfg.finish_direction(avg, st, compressed, selected)
+            bucket.receive(avg, st, selected)
             if avg is not out:
                 out.copy_(avg)
             return [out]

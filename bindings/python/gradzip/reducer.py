@@ -1,8 +1,10 @@
 """What the DDP hook (:mod:`gradzip.ddp`), its simulation (:mod:`gradzip.simulation`) and FSDP's
 reduce-scatter (:mod:`gradzip.fsdp`) share: the settings every rank must agree on and the per-step
 policy (:class:`ReducerConfig`: warm-up steps and small buckets go uncompressed, which tensors travel
-exact, the optimizer direction), and the state object's common part (:class:`ReducerState`: the
-step count, the traffic counters, the C++ reduction, the non-finite guard, settling a step).
+exact, the optimizer direction), the sequence one bucket goes through at one step around the
+caller's collective (:class:`BucketStep`), and the state object's common part
+(:class:`ReducerState`: the step count, the traffic counters, the C++ reduction, the non-finite
+guard, settling a step).
 """
 
 import logging
@@ -11,7 +13,7 @@ from typing import List, Optional
 import torch
 
 from . import _ops  # noqa: F401  (loads the extension that defines torch.classes.gradzip)
-from .bucket_state import StateStore, layout_exact
+from .bucket_state import StateStore, layout_exact, layout_numels, layout_rows
 from .plan import CodecPlan, TrafficStats, shard_bounds
 
 logger = logging.getLogger(__name__)
@@ -164,6 +166,58 @@ class ReducerConfig:
         # 2^-11 of it); one not sent keeps all of it (to within an FMA's rounding).
         sent = None if selected_from is None else st.residual.abs() < 0.5 * selected_from.abs()
         self.direction.finish_(avg, st.moments, st.updates, self.warmup_steps, compressed, sent)
+
+    def begin_bucket(self, step: int, layout, world: int, rank: int, stats: TrafficStats,
+                     reduction_guards: bool) -> "BucketStep":
+        """How one bucket (of ``layout``) travels at ``step``, its traffic counted in ``stats`` as
+        ``rank``'s; see :class:`BucketStep`."""
+        bucket = BucketStep(self, step, layout, world, reduction_guards)
+        stats.add(bucket.plan, bucket.numels, world, rank, bucket.rows, bucket.exact)
+        return bucket
+
+
+class BucketStep:
+    """The sequence one bucket goes through at one step, the same for the DDP hook (one rank) and
+    the simulation (each of its W ranks): :meth:`ReducerConfig.begin_bucket` decides how the bucket
+    travels; then, per rank, :meth:`send` (before the collective), the caller's collective
+    (:attr:`plan`, :attr:`lowrank`, the residuals of :meth:`feedback`) and :meth:`receive`.
+
+    ``reduction_guards``: the reduction itself saves the residuals and Q factors it updates and
+    flags its result for the non-finite guard (the hook's C++ CompressedAllreduce does; the
+    simulation's in-memory phases do not, and these steps do it for them)."""
+
+    def __init__(self, config: ReducerConfig, step: int, layout, world: int,
+                 reduction_guards: bool):
+        n = layout[0]
+        self.config, self.world, self.reduction_guards = config, world, reduction_guards
+        self.numels, self.rows, self.exact = layout_numels(layout), layout_rows(layout), \
+            config.exact(layout)
+        self.compressed = config.compresses(step, n, world)
+        self.plan = config.transport(step, n, world)  # None: an fp32 all-reduce of the average
+        # lowrank's collectives (all-reduces of the factors) instead of the codec's
+        self.lowrank = self.compressed and config.plan.lowrank_rank > 0
+
+    def send(self, x: torch.Tensor, st, guard) -> Optional[torch.Tensor]:
+        """One rank's part before the collective: its ``guard`` saves the bucket's state ``st``
+        before any update (an overflow step undoes all), then the optimizer direction turns ``x``
+        into what the rank sends, in place. Returns what :meth:`receive` is given back."""
+        if guard is not None and st is not None:
+            guard.save(st.moments if self.reduction_guards else state_tensors(st))
+        return self.config.apply_direction(x, st, self.compressed, self.world, self.numels,
+                                           self.exact)
+
+    def feedback(self, st):
+        """The state whose residuals the collective updates, or None: the codec's steps only (a
+        warm-up codec sends without feedback)."""
+        return st if self.compressed else None
+
+    def receive(self, avg: torch.Tensor, st, selected: Optional[torch.Tensor], guard=None) -> None:
+        """One rank's part after the collective: the optimizer direction turns the average ``avg``
+        into what the optimizer applies, in place (``selected``: what :meth:`send` returned), and
+        ``guard`` flags the result where the reduction did not."""
+        self.config.finish_direction(avg, st, self.compressed, selected)
+        if guard is not None and not self.reduction_guards:
+            guard.flag(avg)
 
 
 def state_tensors(st) -> list:

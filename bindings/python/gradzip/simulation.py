@@ -13,9 +13,9 @@ from typing import List, Optional, Sequence
 import torch
 
 from . import _ops  # noqa: F401  (loads the extension that defines torch.classes.gradzip)
-from .bucket_state import StateStore, layout_numels, layout_rows
+from .bucket_state import StateStore
 from .plan import TrafficStats
-from .reducer import STATE_VERSION, ReducerConfig, Reporting, state_tensors
+from .reducer import STATE_VERSION, ReducerConfig, Reporting
 from .wire import MIN_COMPRESS_NUMEL
 
 __all__ = ["SimulatedWorkers"]
@@ -96,38 +96,29 @@ class SimulatedWorkers(Reporting):
         if len(keys) != len(shapes) or len(set(keys)) != len(keys):
             raise ValueError(f"gradzip: keys must name each of the {len(shapes)} tensors once")
         layout = (n, tuple(zip(keys, shapes)))
-        numels, exact = layout_numels(layout), cfg.exact(layout)  # as the hook
-        rows = layout_rows(layout)
-        compressed = cfg.compresses(self.step, n, world)
-        plan = cfg.transport(self.step, n, world)
-        self._stats.add(plan, numels, world, 0, rows, exact)
+        bucket = cfg.begin_bucket(self.step, layout, world, 0, self._stats, reduction_guards=False)
         states = [cfg.bucket_state(self._ef[r], bucket_index, layout, world, r, flats[r].device)
                   for r in range(world)]
-        selected = [None] * world
-        for r in range(world):
-            if self._guards[r] is not None:
-                self._guards[r].save(state_tensors(states[r]))
-            selected[r] = cfg.apply_direction(flats[r], states[r], compressed, world, numels, exact)
-        if plan is None:
+        selected = [bucket.send(f, st, g) for f, st, g in zip(flats, states, self._guards)]
+        if bucket.plan is None:
             out = torch.zeros_like(flats[0])
             for f in flats:
                 out += f / world
             # each rank's own copy where the optimizer finishes it in place
             outs = [out] * world if cfg.direction is None else [out] + [
                 out.clone() for _ in range(world - 1)]
-        elif compressed and cfg.plan.lowrank_rank:
+        elif bucket.lowrank:
             outs = [f.clone() for f in flats]  # reduced in place; flats may be the caller's grads
-            run_simulated_lowrank(self._lowrank_reductions(bucket_index, numels, rows, flats[0]),
-                                  outs, states)
+            run_simulated_lowrank(
+                self._lowrank_reductions(bucket_index, bucket.numels, bucket.rows, flats[0]),
+                outs, states)
         else:
             outs = [torch.empty_like(f) for f in flats]
-            run_simulated(self._bucket_reductions(plan, bucket_index, numels, exact, flats[0]),
-                          flats, states if compressed else [None] * world, outs)
-        for o, st, sel in zip(outs, states, selected):
-            cfg.finish_direction(o, st, compressed, sel)
-        for g, o in zip(self._guards, outs):
-            if g is not None:
-                g.flag(o)
+            run_simulated(self._bucket_reductions(bucket.plan, bucket_index, bucket.numels,
+                                                  bucket.exact, flats[0]),
+                          flats, [bucket.feedback(st) for st in states], outs)
+        for o, st, sel, g in zip(outs, states, selected, self._guards):
+            bucket.receive(o, st, sel, g)
         if is_last:
             for g in self._guards:
                 if g is not None:

@@ -20,10 +20,10 @@ from gradzip import costmodel as cm
 def model_shapes(name: str) -> list[tuple[int, ...]]:
     """Parameter shapes of a gradzip.converge model, built on the meta device (no memory)."""
     import torch
-    from gradzip.converge.tasks import task_of
+    from gradzip.converge.zoo import build
 
     with torch.device("meta"):
-        model = task_of(name).build_model(name)
+        model = build(name)
     return [tuple(p.shape) for p in model.parameters() if p.requires_grad]
 
 

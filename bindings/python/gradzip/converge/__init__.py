@@ -3,7 +3,7 @@ under each gradzip codec and compare accuracy against bytes on the wire. Run
 ``python -m gradzip.converge --suite cpu-default --out DIR``.
 
 Modules: models (ViT/14 encoder + DPT head), conv_depth (the U-Net), char_lm (the byte-level
-language model), tasks (what a model learns: data, loss, evaluation, metric names), text (the
+language model), zoo (every model by name, from torch alone), tasks (what a model learns: data, loss, evaluation, metric names), text (the
 language model's text), weights (local checkpoint loading), scenes (procedural RGB-D), datasets
 (NYU, KITTI, folder loaders), metrics, losses (SILog), compression (the simulated W-worker
 reduction over gradzip.simulation.SimulatedWorkers), training, distributed

@@ -19,14 +19,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .char_lm import LM_CONFIGS, CharLM, lm_config
-from .conv_depth import CONV_CONFIGS, ConvDepthModel
+from .char_lm import LM_CONFIGS, lm_config
+from .conv_depth import CONV_CONFIGS
 from .losses import silog_loss
 from .metrics import NAMES, MetricAccumulator
-from .models import CONFIGS, build_model
+from .models import CONFIGS
 from .provenance import code_hash
 from .scenes import SceneConfig
 from .text import TEXTS, fingerprint, load_text
+from .zoo import build
 
 
 def autocast(cfg, device: torch.device):
@@ -112,7 +113,7 @@ class DepthTask(Task):
         return (*CONFIGS, *CONV_CONFIGS)
 
     def build_model(self, name: str) -> torch.nn.Module:
-        return ConvDepthModel(name) if name in CONV_CONFIGS else build_model(name)
+        return build(name)
 
     def data_key(self, cfg) -> tuple:
         return cfg.data, cfg.image_size, cfg.train_scenes, cfg.test_scenes, cfg.max_depth, cfg.seed
@@ -202,7 +203,7 @@ class LanguageTask(Task):
         return tuple(LM_CONFIGS)
 
     def build_model(self, name: str) -> torch.nn.Module:
-        return CharLM(name)
+        return build(name)
 
     def _text(self, cfg) -> str:
         if cfg.data not in TEXTS:

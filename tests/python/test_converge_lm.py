@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from converge_util import Interrupt, stop_at
 from gradzip.converge import report
 from gradzip.converge.char_lm import LM_CONFIGS, VOCAB, CharLM
 from gradzip.converge.output import summarise
@@ -106,15 +107,8 @@ def test_tiny_run_trains_under_the_recipe_and_resumes_exactly(tmp_path, data):
     assert whole["val_bpc"] == pytest.approx(whole["val_loss"] / math.log(2))
     assert whole["data"] == fingerprint(STDLIB_DOCSTRINGS)  # part of the result's key
 
-    class Interrupt(Exception):
-        pass
-
-    def stop_at_5(step, loss):
-        if step == 5:  # after the checkpoint at 3: steps 3..4 are redone
-            raise Interrupt
-
-    with pytest.raises(Interrupt):
-        train_simulated(TINY, tmp_path / "b", data, torch.device("cpu"), progress=stop_at_5)
+    with pytest.raises(Interrupt):  # after the checkpoint at 3: steps 3..4 are redone
+        train_simulated(TINY, tmp_path / "b", data, torch.device("cpu"), progress=stop_at(5))
     assert (tmp_path / "b" / "checkpoints" / "sign-s0.pt").is_file()
     resumed = train_simulated(TINY, tmp_path / "b", data, torch.device("cpu"))
     assert [(r["step"], r["loss"], r["bytes"]) for r in steps] == [

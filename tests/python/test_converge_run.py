@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from dist_util import free_port
+from converge_util import Interrupt, stop_at
 from gradzip.converge.training import (RunConfig, RunFiles, compress_warmup_steps, load_data,
                                        lr_factor, optimizer_name, read_jsonl, train_simulated)
 
@@ -32,21 +33,13 @@ def _losses(out, cfg=TINY):
     return [(r["step"], r["loss"], r["bytes"]) for r in read_jsonl(RunFiles(out, cfg).steps)]
 
 
-class Interrupt(Exception):
-    pass
-
-
 def test_interrupted_run_resumes_exactly(tmp_path):
     torch.set_num_threads(1)  # same kernels in both runs
     data = load_data(TINY)
     whole = train_simulated(TINY, tmp_path / "a", data, torch.device("cpu"))
 
-    def stop_at_7(step, loss):
-        if step == 7:  # after the checkpoint at 6: steps 6..7 are redone
-            raise Interrupt
-
-    with pytest.raises(Interrupt):
-        train_simulated(TINY, tmp_path / "b", data, torch.device("cpu"), progress=stop_at_7)
+    with pytest.raises(Interrupt):  # after the checkpoint at 6: steps 6..7 are redone
+        train_simulated(TINY, tmp_path / "b", data, torch.device("cpu"), progress=stop_at(7))
     assert (tmp_path / "b" / "checkpoints" / "int8-s0.pt").is_file()
     resumed = train_simulated(TINY, tmp_path / "b", data, torch.device("cpu"))
     assert _losses(tmp_path / "a") == _losses(tmp_path / "b")  # same steps, bit for bit
@@ -123,12 +116,8 @@ def test_frozen_variance_run_counts_its_uncompressed_warmup(tmp_path):
     assert 1 < res["compression_ratio"] < res["steady_ratio"] / 2
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in steps)
 
-    def stop_at_5(step, loss):
-        if step == 5:  # after the checkpoint at 3, inside the warm-up; then compressed steps
-            raise Interrupt
-
-    with pytest.raises(Interrupt):
-        train_simulated(cfg, tmp_path / "b", data, torch.device("cpu"), progress=stop_at_5)
+    with pytest.raises(Interrupt):  # after the checkpoint at 3, inside the warm-up; then compressed
+        train_simulated(cfg, tmp_path / "b", data, torch.device("cpu"), progress=stop_at(5))
     resumed = train_simulated(cfg, tmp_path / "b", data, torch.device("cpu"))
     assert _losses(tmp_path / "a", cfg) == _losses(tmp_path / "b", cfg)
     assert resumed["abs_rel"] == res["abs_rel"]

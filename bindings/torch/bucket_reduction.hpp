@@ -38,7 +38,8 @@
 // by orders of magnitude (a small tensor sharing a block with a large one gets steps of the large
 // one's scale, every step, which error feedback turns into an oscillation: a depth net's 1x1 output
 // layer did so under SGD and diverged). Pieces shorter than kMinPiece travel exact (fp32): there a
-// 32-byte header and the block's error cost more than the fp32 bytes saved. Messages follow each other in 16-byte aligned slots (the CUDA decoders' alignment).
+// 32-byte header and the block's error cost more than the fp32 bytes saved. Messages follow each
+// other in 16-byte aligned slots (the CUDA decoders' alignment).
 // Tensors marked `exact` (biases, norms: small, with gradient statistics of their own, where a
 // block's header is paid for few elements and the error is large) travel as fp32 messages in the
 // same exchange: every rank's fp32 share summed in rank order and re-encoded as fp32, so their

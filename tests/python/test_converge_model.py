@@ -10,6 +10,7 @@ from gradzip.converge.models import (CONFIGS, ViTEncoder, build_model, count_par
                                      resize_separable)
 from gradzip.converge.tasks import task_of
 from gradzip.converge.weights import WeightLoadError, load_encoder_weights
+from gradzip.converge.zoo import build
 
 
 def test_vitl14_encoder_is_dinov2_sized():
@@ -40,7 +41,7 @@ def test_forward_gives_positive_depth_at_input_resolution():
 
 def test_conv_model_gives_positive_depth_at_any_resolution():
     torch.manual_seed(0)
-    model = task_of("conv-s").build_model("conv-s")
+    model = build("conv-s")
     y = model(torch.rand(2, 3, 37, 50))  # odd sizes: the decoder resizes to each skip's size
     assert y.shape == (2, 1, 37, 50)
     assert (y > 0).all() and torch.isfinite(y).all()

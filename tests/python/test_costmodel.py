@@ -200,6 +200,8 @@ def test_uncompressed_tensors_cost_fp32_bytes():
         shard = codec.encoded_bytes(25_000) + 32 + 4 * 34
         assert cm.bucket_cost(codec, shapes, p, LINK).sent_bytes == pytest.approx(2 * (p - 1) * shard)
         assert cm.bucket_cost(cm.Codec.parse(spec), shapes, p, LINK).sent_bytes < 2 * (p - 1) * shard
+    # without the option only the tensor shorter than a piece (64 elements) travels in fp32
+    assert cm.Codec.parse("sign").uncompressed_elements(shapes) == 35
     topk = cm.Codec.parse("topk:0.01", uncompressed_numel=50)
     assert cm.bucket_cost(topk, shapes, p, LINK) == cm.bucket_cost(cm.Codec.parse("topk:0.01"),
                                                                    shapes, p, LINK)

@@ -2,9 +2,9 @@
 and U-Net models on scenes) or the next byte of English text (char_lm on text.py's text).
 
 A task is what differs between them for the training loop, the checkpoints and the reports: the
-data, the model, the loss of one worker's shard, the evaluation and the names of its metrics.
-Everything else (the schedule, the optimizers, the Reducer and its bytes, checkpoints, resume,
-the tables) is the same code for both.
+data, the loss of one worker's shard, the evaluation and the names of its metrics (the models
+themselves are built by name in zoo.py). Everything else (the schedule, the optimizers, the Reducer
+and its bytes, checkpoints, resume, the tables) is the same code for both.
 """
 from __future__ import annotations
 
@@ -27,7 +27,6 @@ from .models import CONFIGS
 from .provenance import code_hash
 from .scenes import SceneConfig
 from .text import TEXTS, fingerprint, load_text
-from .zoo import build
 
 
 def autocast(cfg, device: torch.device):
@@ -49,9 +48,6 @@ class Task:
     note: str  # summary.md's words on the headline, before its comparison with fp32's
 
     def models(self) -> tuple[str, ...]:
-        raise NotImplementedError
-
-    def build_model(self, name: str) -> torch.nn.Module:
         raise NotImplementedError
 
     def data_key(self, cfg) -> tuple:
@@ -111,9 +107,6 @@ class DepthTask(Task):
 
     def models(self) -> tuple[str, ...]:
         return (*CONFIGS, *CONV_CONFIGS)
-
-    def build_model(self, name: str) -> torch.nn.Module:
-        return build(name)
 
     def data_key(self, cfg) -> tuple:
         return cfg.data, cfg.image_size, cfg.train_scenes, cfg.test_scenes, cfg.max_depth, cfg.seed
@@ -201,9 +194,6 @@ class LanguageTask(Task):
 
     def models(self) -> tuple[str, ...]:
         return tuple(LM_CONFIGS)
-
-    def build_model(self, name: str) -> torch.nn.Module:
-        return build(name)
 
     def _text(self, cfg) -> str:
         if cfg.data not in TEXTS:

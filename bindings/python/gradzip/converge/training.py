@@ -33,6 +33,7 @@ from .compression import BASELINE, Reducer, canonical_codec
 from .provenance import environment
 from .tasks import task_of
 from .weights import load_encoder_weights
+from .zoo import build
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,7 @@ def load_data(cfg: RunConfig, cache: Path | None = None) -> tuple[dict, dict]:
 
 def make_model(cfg: RunConfig, device: torch.device) -> torch.nn.Module:
     torch.manual_seed(cfg.seed)  # every codec starts from the same weights
-    model = task_of(cfg.model).build_model(cfg.model)
+    model = build(cfg.model)
     if cfg.weights and not hasattr(model, "encoder"):
         raise ValueError(f"{cfg.model} has no pretrained encoder to load {cfg.weights} into")
     if cfg.weights:

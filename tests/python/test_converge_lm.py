@@ -130,7 +130,8 @@ def test_summary_pairs_the_val_loss_with_fp32_per_seed(tmp_path, data):
     rows = _csv(tmp_path / "summary.csv")
     assert list(rows[0]) == ["run", "codec", "error_feedback", "seed", "bytes_per_step",
                              "total_bytes", "compression_ratio", "steady_ratio", "val_loss",
-                             "val_bpc", "final_loss", "val_loss_vs_fp32_pct", "steps_to_target"]
+                             "val_bpc", "final_loss", "val_loss_vs_fp32_pct",
+                             "val_loss_last3_vs_fp32_pct", "steps_to_target"]
     table = {(r["run"], int(r["seed"])): r for r in rows}
     for seed in (0, 1):
         fp32, int8 = table["fp32", seed], table["int8", seed]
@@ -151,10 +152,11 @@ def test_depth_tables_keep_their_columns():
         "run", "codec", "error_feedback", "seed", "bytes_per_step", "total_bytes",
         "compression_ratio", "steady_ratio", "abs_rel", "abs_rel_med", "sq_rel", "rmse",
         "rmse_log", "delta1", "delta2", "delta3", "final_loss", "abs_rel_vs_fp32_pct",
-        "steps_to_target")
+        "abs_rel_med_last3_vs_fp32_pct", "steps_to_target")
     assert [h for h, _ in report.main_columns(DEPTH)] == [
         "run", "bytes/step", "ratio, whole run", "ratio, compressing", "AbsRel",
-        "AbsRel, median-scaled", "RMSE", "δ1", "AbsRel vs fp32 (%)", "steps to target"]
+        "AbsRel, median-scaled", "RMSE", "δ1", "AbsRel vs fp32 (%)",
+        "AbsRel-med, last 3 evals, vs fp32 (%)", "steps to target"]
 
 
 def test_the_cpu_lm_suite_and_what_a_language_model_refuses(tmp_path):

@@ -203,7 +203,8 @@ def test_cpu_smoke_suite(smoke):
                              "total_bytes", "compression_ratio", "steady_ratio", "abs_rel",
                              "abs_rel_med", "sq_rel", "rmse", "rmse_log", "delta1", "delta2",
                              "delta3", "final_loss",
-                             "abs_rel_vs_fp32_pct", "steps_to_target"]
+                             "abs_rel_vs_fp32_pct", "abs_rel_med_last3_vs_fp32_pct",
+                             "steps_to_target"]
     table = {(r["run"], int(r["seed"])): r for r in rows}
     assert list(table) == [("fp32", 0), ("fp32", 1), ("int8", 0), ("int8", 1)]
     for seed in (0, 1):
@@ -218,6 +219,13 @@ def test_cpu_smoke_suite(smoke):
         assert float(int8["abs_rel_vs_fp32_pct"]) == pytest.approx(
             100 * (float(int8["abs_rel"]) / float(fp32["abs_rel"]) - 1), abs=1e-3)
         assert fp32["steps_to_target"] in ("10", "20", "30")  # fp32 reaches its own final
+        # the tail: abs_rel_med averaged over the last three evaluations (steps 10, 20, 30)
+        evals = [e for e in read_jsonl(out / "evals.jsonl") if e["seed"] == seed]
+        tail = {run: sum(e["abs_rel_med"] for e in evals if e["run"] == run) / 3
+                for run in ("fp32", "int8")}
+        assert float(fp32["abs_rel_med_last3_vs_fp32_pct"]) == 0
+        assert float(int8["abs_rel_med_last3_vs_fp32_pct"]) == pytest.approx(
+            100 * (tail["int8"] / tail["fp32"] - 1), abs=1e-3)
     assert table["fp32", 0]["abs_rel"] != table["fp32", 1]["abs_rel"]  # other weights, data
     for row in rows:
         assert 0 < float(row["abs_rel"]) < 10 and 0 <= float(row["delta1"]) <= 1

@@ -205,6 +205,11 @@ def main_distributed(args, suite, configs: list[RunConfig], device: torch.device
         if rank == 0:
             summarise(out, f"{suite.name} ({strategy.name}, {backend}, world {world})", configs,
                       [results[c] for c in configs])
+        # Gloo's worker thread drops a finished collective's tensors a moment after its wait()
+        # returns; if the last of them (broadcast_object_list's, made in Python) is dropped while
+        # the interpreter shuts down, releasing it takes the GIL and aborts the process. A barrier
+        # (its tensor made in C++) lets that release happen first.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
     return 0

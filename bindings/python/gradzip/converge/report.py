@@ -22,6 +22,10 @@ from .training import read_jsonl
 # the final one of the fp32 run of the same seed, i.e. how long a codec takes to get where fp32
 # ends up.
 TARGET = 1.05
+# The tail comparison: the task's tail metric averaged over a run's last TAIL evaluations, paired
+# with fp32's of the same seed (a single final evaluation on a few hundred held-out scenes moves
+# by several percent from seed to seed; the mean of the last ones moves less).
+TAIL = 3
 
 ID = ("run", "codec", "error_feedback")
 # compression_ratio: over the whole run, uncompressed warm-up included; steady_ratio: once the
@@ -34,9 +38,11 @@ def metric_columns(task: Task) -> tuple[str, ...]:
     return task.metrics + ("final_loss",)
 
 
-def paired(task: Task) -> tuple[str, str]:
-    """The columns that need the fp32 run of the same seed."""
-    return f"{task.headline}_vs_fp32_pct", "steps_to_target"
+def paired(task: Task) -> tuple[str, str, str]:
+    """The columns that need the fp32 run of the same seed: the headline's final value, the tail
+    metric's mean over the last TAIL evaluations, and steps to target."""
+    return (f"{task.headline}_vs_fp32_pct", f"{task.tail}_last{TAIL}_vs_fp32_pct",
+            "steps_to_target")
 
 
 def summary_columns(task: Task) -> tuple[str, ...]:
@@ -59,6 +65,8 @@ def main_columns(task: Task) -> tuple[tuple[str, str], ...]:
     return ((("run", "run"), ("bytes/step", "bytes_per_step"),
              ("ratio, whole run", "compression_ratio"), ("ratio, compressing", "steady_ratio"))
             + task.shown + ((f"{task.label} vs fp32 (%)", paired(task)[0]),
+                            (f"{task.tail_label}, last {TAIL} evals, vs fp32 (%)",
+                             paired(task)[1]),
                             ("steps to target", "steps_to_target")))
 
 
@@ -68,18 +76,28 @@ def steps_to_target(evals: list[dict], key: str, target: float) -> int | None:
                  if e[key] <= target), None)
 
 
+def tail_mean(evals: list[dict], key: str) -> float | None:
+    """``key`` averaged over the last TAIL evaluations (all of them if fewer); None if none."""
+    last = sorted(evals, key=lambda e: e["step"])[-TAIL:]
+    return statistics.fmean(e[key] for e in last) if last else None
+
+
 def rows(results: list[dict], evals: list[dict], task: Task) -> list[dict]:
     """summary.csv: one row per result, with its paired comparison to fp32 of the same seed."""
     curves: dict[tuple, list[dict]] = {}
     for e in evals:
         curves.setdefault((e["run"], e["seed"]), []).append(e)
-    key, vs_fp32 = task.headline, paired(task)[0]
+    key, (vs_fp32, tail_vs_fp32, _) = task.headline, paired(task)
     fp32 = {r["seed"]: r[key] for r in results if r["run"] == BASELINE}
+    fp32_tail = {s: tail_mean(curves.get((BASELINE, s), []), task.tail) for s in fp32}
     table = []
     for r in results:
         row = {k: r[k] for k in summary_columns(task) if k not in paired(task)}
         ref = fp32.get(r["seed"])
         row[vs_fp32] = None if ref is None else 100 * (r[key] / ref - 1)
+        mine, theirs = tail_mean(curves.get((r["run"], r["seed"]), []), task.tail), fp32_tail.get(
+            r["seed"])
+        row[tail_vs_fp32] = None if mine is None or not theirs else 100 * (mine / theirs - 1)
         row["steps_to_target"] = None if ref is None else steps_to_target(
             curves.get((r["run"], r["seed"]), []), key, TARGET * ref)
         table.append(row)
@@ -173,7 +191,9 @@ def write_markdown(path: Path, table: list[dict], agg: list[dict], title: str,
     path.write_text(
         f"# {title}\n\nSeeds: {', '.join(map(str, seeds))}. Per run: mean ± standard deviation "
         f"over the seeds (ddof 1). {task.note}{m} vs fp32: {m} / {m} of the fp32 run of the same "
-        f"seed - 1, in percent (mean ± std over seeds). Steps to target: the first evaluation "
+        f"seed - 1, in percent (mean ± std over seeds); {task.tail_label}, last {TAIL} evals: "
+        f"the same for the mean of {task.tail} over each run's last {TAIL} evaluations (steadier "
+        f"from seed to seed). Steps to target: the first evaluation "
         f"with {m} <= {TARGET} x the final {m} of the fp32 run of the same seed (mean "
         f"over the seeds that reach it). Measured times: timings.csv.\n\n"
         f"{markdown(agg, main_columns(task))}\nEvery run and seed (summary.csv):\n\n"

@@ -42,6 +42,9 @@ class Task:
     metrics: tuple[str, ...]  # what ``evaluate`` returns, in table order
     headline: str  # the metric a run is compared on with fp32's of its seed (lower is better)
     label: str  # the headline's name in tables and progress lines
+    tail: str  # the metric whose mean over a run's last evaluations is also paired with fp32's:
+    # steadier than one final evaluation, so the comparison resolves smaller differences
+    tail_label: str
     shown: tuple[tuple[str, str], ...]  # summary.md's metric columns: (header, key)
     axis: str  # the headline's axis label in the plots
     loss_axis: str  # the training loss's
@@ -101,6 +104,8 @@ class DepthTask(Task):
 
     metrics = NAMES
     headline, label = "abs_rel", "AbsRel"
+    # the median-scaled AbsRel: per image, the prediction scaled to the ground truth's median
+    tail, tail_label = "abs_rel_med", "AbsRel-med"
     shown = (("AbsRel", "abs_rel"), ("AbsRel, median-scaled", "abs_rel_med"), ("RMSE", "rmse"),
              ("δ1", "delta1"))
     axis, loss_axis, note = "AbsRel on held-out scenes", "SILog training loss", ""
@@ -186,6 +191,7 @@ class LanguageTask(Task):
 
     metrics = ("val_loss", "val_bpc")
     headline, label = "val_loss", "val loss"
+    tail, tail_label = "val_loss", "val loss"
     shown = (("val loss (nats/char)", "val_loss"), ("bits/char", "val_bpc"))
     axis = "validation loss on held-out text (nats/char)"
     loss_axis = "cross-entropy training loss (nats/char)"

@@ -99,19 +99,18 @@ class Span {
  public:
   void add(const void* p, size_t bytes) {
     if (p == nullptr || bytes == 0) return;
-    const auto* b = static_cast<const uint8_t*>(p);
-    if (lo_ == nullptr || b < lo_) lo_ = b;
-    if (b + bytes > hi_) hi_ = b + bytes;
+    const uintptr_t b = reinterpret_cast<uintptr_t>(p);
+    lo_ = std::min(lo_, b);
+    hi_ = std::max(hi_, b + bytes);
   }
   void require(const CurrentDevice& dev, const char* what) const {
-    if (lo_ == nullptr) return;
-    dev.require_memory(lo_, what);
-    dev.require_memory(hi_ - 1, what);
+    if (hi_ == 0) return;  // nothing touched
+    dev.require_memory(reinterpret_cast<const void*>(lo_), what);
+    dev.require_memory(reinterpret_cast<const void*>(hi_ - 1), what);
   }
 
  private:
-  const uint8_t* lo_ = nullptr;
-  const uint8_t* hi_ = nullptr;
+  uintptr_t lo_ = UINTPTR_MAX, hi_ = 0;
 };
 
 // Launches the encoder of one message whose arguments were checked.

@@ -32,6 +32,9 @@ const Codec& fp32_codec() {
   return codec;
 }
 
+// The codec of a piece of a bucket encoded with `codec`.
+const Codec& piece_codec(const Codec& codec, bool exact) { return exact ? fp32_codec() : codec; }
+
 // The pieces of shard [lo, hi) of a bucket whose tensor i ends at ends[i] and is exact[i]: one
 // compressed piece per tensor (no block scale spans two tensors), consecutive exact tensors in one
 // fp32 piece. With `short_exact`, a tensor's part shorter than kMinPiece travels exact too.
@@ -59,7 +62,7 @@ int64_t slot_bytes(const Codec& codec, int64_t n) {
 }
 
 int64_t slot_bytes(const Codec& codec, const Piece& p) {
-  return slot_bytes(p.exact ? fp32_codec() : codec, p.len);
+  return slot_bytes(piece_codec(codec, p.exact), p.len);
 }
 
 }  // namespace
@@ -154,35 +157,47 @@ BucketReduction::BucketReduction(const Codec& codec, int64_t world, int64_t rank
   TORCH_CHECK_VALUE(rank >= 0 && rank < world, "gradzip: rank ", rank, " outside [0, ", world, ")");
   const auto bytes = device.dtype(at::kByte);
   const int64_t w = layout_.world;
-  // Zeros: the padding between messages and of the all-gather slots is sent but never written.
-  size_t ws = 0, decodes = 0;
+  const bool allreduce = collective == Collective::allreduce;
   if (layout_.two_phase) {
-    for (const auto& shard : layout_.pieces) {
-      for (const Piece& p : shard)
-        ws = std::max(ws, codec_of(p).workspace_bytes(static_cast<size_t>(p.len)));
+    for (int64_t j = 0, sent = 0; j < w; sent += layout_.shard_bytes[j], ++j) {
+      append(encode_, layout_.pieces[j], layout_.starts[j], sent);
+      if (allreduce) append(decode_, layout_.pieces[j], layout_.starts[j], j * layout_.slot);
     }
-    decodes = static_cast<size_t>(w) * layout_.pieces[rank].size();  // sum_shard's
-    if (collective == Collective::allreduce)
-      for (const auto& p : layout_.pieces) decodes += p.size();  // decode's
+    for (int64_t i = 0; i < w; ++i)
+      append(sum_, layout_.pieces[rank], 0, i * layout_.shard_bytes[rank]);
+    if (allreduce) append(owner_, layout_.pieces[rank], 0, 0);
+  } else {
+    const std::vector<Piece> whole{Piece{layout_.n}};
+    append(encode_, whole, 0, 0);
+    if (layout_.wire_sum) {
+      append(decode_, whole, 0, 0);
+    } else {
+      for (int64_t j = 0; j < w; ++j) append(decode_, whole, 0, j * layout_.slot);
+    }
+  }
+
+  // Zeros: the padding between messages and of the all-gather slots is sent but never written.
+  if (layout_.two_phase) {
     send = at::zeros({std::accumulate(layout_.shard_bytes.begin(), layout_.shard_bytes.end(),
                                       int64_t{0})},
                      bytes);
     send_splits = layout_.shard_bytes;
     recv_splits.assign(static_cast<size_t>(w), layout_.shard_bytes[rank]);
     recv = at::empty({w * layout_.shard_bytes[rank]}, bytes);
-    if (collective == Collective::allreduce)
-      accumulator_ = at::empty({layout_.shard_size(rank)}, device.dtype(at::kFloat));
-  } else {
-    ws = codec.workspace_bytes(static_cast<size_t>(layout_.n));
-    decodes = layout_.wire_sum ? 1 : static_cast<size_t>(w);
+    if (allreduce) accumulator_ = at::empty({layout_.shard_size(rank)}, device.dtype(at::kFloat));
   }
   gather_in = at::zeros({layout_.slot}, bytes);
   gathered = at::empty({layout_.wire_sum ? 0 : w * layout_.slot}, bytes);
   if (layout_.wire_sum)  // a cast message: the header, then the n values in the wire dtype
     payload = gather_in.narrow(0, static_cast<int64_t>(kHeaderBytes), layout_.summed_bytes)
                   .view(payload_dtype(codec));
+  // Every encode's messages are among encode_'s (reduce_owner's are this rank's shard).
+  size_t ws = 0;
+  for (const Message& m : encode_)
+    ws = std::max(ws, codec_of(m.exact).workspace_bytes(static_cast<size_t>(m.n)));
   workspace_ = at::empty({static_cast<int64_t>(ws)}, bytes);
-  if (device_.is_cuda()) decode_status = at::zeros({static_cast<int64_t>(16 * decodes)}, bytes);
+  if (device_.is_cuda())
+    decode_status = at::zeros({static_cast<int64_t>(16 * (sum_.size() + decode_.size()))}, bytes);
 }
 
 void BucketReduction::check_float(const char* name, const at::Tensor& t, int64_t numel) const {
@@ -193,38 +208,42 @@ void BucketReduction::check_float(const char* name, const at::Tensor& t, int64_t
                     ", got ", t.numel(), " on ", t.device());
 }
 
-const Codec& BucketReduction::codec_of(const Piece& p) const {
-  return p.exact ? fp32_codec() : codec_;
-}
+const Codec& BucketReduction::codec_of(bool exact) const { return piece_codec(codec_, exact); }
 
-void BucketReduction::encode_pieces(const float* x, float* residual, uint8_t* out,
-                                    const std::vector<Piece>& pieces, float prescale) {
+void BucketReduction::append(Messages& out, const std::vector<Piece>& pieces, int64_t at,
+                             int64_t wire) const {
   for (const Piece& p : pieces) {
-    const Codec& codec = codec_of(p);
-    const size_t e = codec.encoded_bytes(static_cast<size_t>(p.len));
-    guarded("compressed_allreduce", [&] {
-      encode_on(device_, codec, x, residual, static_cast<size_t>(p.len), out, e, prescale,
-                workspace_.data_ptr(), static_cast<size_t>(workspace_.numel()));
-    });
-    x += p.len;
-    if (residual) residual += p.len;
-    out += message_slot_bytes(e);
+    const size_t e = codec_of(p.exact).encoded_bytes(static_cast<size_t>(p.len));
+    out.push_back({p.exact, at, p.len, wire, static_cast<int64_t>(e)});
+    at += p.len;
+    wire += static_cast<int64_t>(message_slot_bytes(e));
   }
 }
 
-void BucketReduction::decode_pieces(const uint8_t* wire, float* out,
-                                    const std::vector<Piece>& pieces, bool add,
-                                    int64_t& status_index) {
-  for (const Piece& p : pieces) {
-    const size_t e = codec_of(p).encoded_bytes(static_cast<size_t>(p.len));
-    void* status = decode_status.defined()
-                       ? static_cast<uint8_t*>(decode_status.data_ptr()) + 16 * status_index++
-                       : nullptr;
-    guarded("compressed_allreduce",
-            [&] { decode_on(device_, wire, e, out, static_cast<size_t>(p.len), add, status); });
-    wire += message_slot_bytes(e);
-    out += p.len;
-  }
+void BucketReduction::encode_all(const Messages& m, const float* in, float* residual,
+                                 uint8_t* wire, float prescale) {
+  std::vector<EncodeItem> items;
+  items.reserve(m.size());
+  for (const Message& x : m)
+    items.push_back({&codec_of(x.exact), in + x.at, residual ? residual + x.at : nullptr,
+                     static_cast<size_t>(x.n), wire + x.wire, static_cast<size_t>(x.bytes)});
+  guarded("compressed_allreduce", [&] {
+    encode_batch_on(device_, items, prescale, workspace_.data_ptr(),
+                    static_cast<size_t>(workspace_.numel()));
+  });
+}
+
+void BucketReduction::decode_all(const Messages& m, const uint8_t* wire, float* out, bool add,
+                                 int64_t status_index) {
+  std::vector<DecodeItem> items;
+  items.reserve(m.size());
+  for (const Message& x : m)
+    items.push_back({wire + x.wire, static_cast<size_t>(x.bytes), out + x.at,
+                     static_cast<size_t>(x.n)});
+  void* status = decode_status.defined()
+                     ? static_cast<uint8_t*>(decode_status.data_ptr()) + 16 * status_index
+                     : nullptr;
+  guarded("compressed_allreduce", [&] { decode_batch_on(device_, items, add, status); });
 }
 
 void BucketReduction::encode(const at::Tensor& x, const at::Tensor& residual) {
@@ -235,29 +254,16 @@ void BucketReduction::encode(const at::Tensor& x, const at::Tensor& residual, fl
   const int64_t n = layout_.n;
   check_float("bucket", x, n);
   if (residual.defined()) check_float("residual", residual, n);
-  const float* in = x.const_data_ptr<float>();
-  float* res = residual.defined() ? residual.data_ptr<float>() : nullptr;
-  if (!layout_.two_phase) {
-    encode_pieces(in, res, gather_in.data_ptr<uint8_t>(), {Piece{n}}, prescale);
-    return;
-  }
-  uint8_t* out = send.data_ptr<uint8_t>();
-  for (int64_t j = 0; j < layout_.world; ++j) {
-    const int64_t lo = layout_.starts[j];
-    encode_pieces(in + lo, res ? res + lo : nullptr, out, layout_.pieces[j], prescale);
-    out += layout_.shard_bytes[j];
-  }
+  encode_all(encode_, x.const_data_ptr<float>(),
+             residual.defined() ? residual.data_ptr<float>() : nullptr,
+             (layout_.two_phase ? send : gather_in).data_ptr<uint8_t>(), prescale);
 }
 
 void BucketReduction::sum_shard(const at::Tensor& out) {
   TORCH_CHECK(layout_.two_phase, "gradzip: sum_shard is a phase of the sharded collectives");
   check_float("shard output", out, layout_.shard_size(rank_));
   out.zero_();
-  const int64_t bytes = layout_.shard_bytes[rank_];
-  int64_t status_index = 0;
-  for (int64_t i = 0; i < layout_.world; ++i)
-    decode_pieces(recv.const_data_ptr<uint8_t>() + i * bytes, out.data_ptr<float>(),
-                  layout_.pieces[rank_], /*add=*/true, status_index);
+  decode_all(sum_, recv.const_data_ptr<uint8_t>(), out.data_ptr<float>(), /*add=*/true, 0);
 }
 
 void BucketReduction::reduce_owner(const at::Tensor& owner_residual) {
@@ -266,34 +272,22 @@ void BucketReduction::reduce_owner(const at::Tensor& owner_residual) {
   if (owner_residual.defined())
     check_float("owner residual", owner_residual, layout_.shard_size(rank_));
   sum_shard(accumulator_);
-  encode_pieces(accumulator_.const_data_ptr<float>(),
-                owner_residual.defined() ? owner_residual.data_ptr<float>() : nullptr,
-                gather_in.data_ptr<uint8_t>(), layout_.pieces[rank_], 1.0f);
+  encode_all(owner_, accumulator_.const_data_ptr<float>(),
+             owner_residual.defined() ? owner_residual.data_ptr<float>() : nullptr,
+             gather_in.data_ptr<uint8_t>(), 1.0f);
 }
 
 void BucketReduction::decode(const at::Tensor& out) {
   TORCH_CHECK(layout_.collective == Collective::allreduce,
               "gradzip: decode is the last phase of the all-reduce");
   check_float("output", out, layout_.n);
-  float* o = out.data_ptr<float>();
-  const uint8_t* g = gathered.const_data_ptr<uint8_t>();
-  const int64_t w = layout_.world;
-  // After reduce_owner's decodes (two-phase), so that every status word of the step is kept.
-  int64_t status_index = layout_.two_phase ? w * static_cast<int64_t>(layout_.pieces[rank_].size()) : 0;
-  if (layout_.wire_sum) {
-    decode_pieces(gather_in.const_data_ptr<uint8_t>(), o, {Piece{layout_.n}}, /*add=*/false,
-                  status_index);
-    return;
-  }
-  if (!layout_.two_phase) {
-    out.zero_();
-    for (int64_t j = 0; j < w; ++j)
-      decode_pieces(g + j * layout_.slot, o, {Piece{layout_.n}}, /*add=*/true, status_index);
-    return;
-  }
-  for (int64_t j = 0; j < w; ++j)
-    decode_pieces(g + j * layout_.slot, o + layout_.starts[j], layout_.pieces[j], /*add=*/false,
-                  status_index);
+  // Top-k's all-gathered whole-bucket messages are summed into zeros; the others each write
+  // their own elements.
+  const bool add = !layout_.two_phase && !layout_.wire_sum;
+  if (add) out.zero_();
+  // After sum_shard's status words, so that every status word of the step is kept.
+  decode_all(decode_, (layout_.wire_sum ? gather_in : gathered).const_data_ptr<uint8_t>(),
+             out.data_ptr<float>(), add, static_cast<int64_t>(sum_.size()));
 }
 
 }  // namespace gradzip::torch_ext

@@ -39,7 +39,9 @@
 // one's scale, every step, which error feedback turns into an oscillation: a depth net's 1x1 output
 // layer did so under SGD and diverged). Pieces shorter than kMinPiece travel exact (fp32): there a
 // 32-byte header and the block's error cost more than the fp32 bytes saved. Messages follow each
-// other in 16-byte aligned slots (the CUDA decoders' alignment).
+// other in 16-byte aligned slots (the CUDA decoders' alignment). Each phase's messages are one batch
+// of the library (gradzip::encode_batch / decode_batch and their CUDA twins), listed once, at
+// construction, as offsets into the phase's buffers.
 // Tensors marked `exact` (biases, norms: small, with gradient statistics of their own, where a
 // block's header is paid for few elements and the error is large) travel as fp32 messages in the
 // same exchange: every rank's fp32 share summed in rank order and re-encoded as fp32, so their
@@ -141,22 +143,39 @@ class BucketReduction {
   // wire_sum: the in-place all-reduce (SUM) of payload, the float16/bfloat16 values of gather_in.
   at::Tensor send, recv, gather_in, gathered, payload;
   std::vector<int64_t> send_splits, recv_splits;
-  // CUDA: one 16-byte status word per decode of the last step (gradzip::cuda::decode's
-  // asynchronous form); undefined on the CPU, where a corrupt message throws at once.
+  // CUDA: one 16-byte status word per decoded message of the last step (sum_shard's, then
+  // decode's: gradzip::cuda::decode_batch's status words); undefined on the CPU, where a corrupt
+  // message throws at once.
   at::Tensor decode_status;
 
  private:
-  const Codec& codec_of(const Piece& p) const;
-  void encode_pieces(const float* x, float* residual, uint8_t* out,
-                     const std::vector<Piece>& pieces, float prescale);
-  void decode_pieces(const uint8_t* wire, float* out, const std::vector<Piece>& pieces, bool add,
-                     int64_t& status_index);
+  // One message of a phase, as offsets into the phase's buffers (which, but for the workspaces,
+  // are the caller's and change per call): its elements [at, at + n) of the floats, its bytes
+  // [wire, wire + bytes) of the wire buffer.
+  struct Message {
+    bool exact = false;
+    int64_t at = 0, n = 0;
+    int64_t wire = 0, bytes = 0;
+  };
+  using Messages = std::vector<Message>;
+
+  const Codec& codec_of(bool exact) const;
+  // Appends `pieces` as consecutive messages from element `at` and wire byte `wire` on.
+  void append(Messages& out, const std::vector<Piece>& pieces, int64_t at, int64_t wire) const;
+  void encode_all(const Messages& m, const float* in, float* residual, uint8_t* wire,
+                  float prescale);
+  void decode_all(const Messages& m, const uint8_t* wire, float* out, bool add,
+                  int64_t status_index);
   void check_float(const char* name, const at::Tensor& t, int64_t numel) const;
 
   Codec codec_;
   BucketLayout layout_;
   int64_t rank_;
   c10::Device device_;
+  // encode: x into send (two-phase) or gather_in; sum_shard: recv into its output (W per piece of
+  // this rank's shard); reduce_owner: the shard's sum into gather_in; decode: gathered (gather_in
+  // for wire_sum) into the output.
+  Messages encode_, sum_, owner_, decode_;
   at::Tensor workspace_, accumulator_;
 };
 

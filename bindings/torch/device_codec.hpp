@@ -1,10 +1,12 @@
 // The codec entry points on the memory of a CPU or CUDA tensor: the one place that picks the host
-// API (gradzip.hpp) or the CUDA one (gradzip/cuda.hpp, on the current stream of the device), for the
-// ops (ops.cpp) and the compressed all-reduce (bucket_reduction.cpp) alike.
+// API (gradzip.hpp) or the CUDA one (gradzip/cuda.hpp, on the current stream of the device). The
+// ops (ops.cpp) call it per message, the compressed all-reduce (bucket_reduction.cpp) per batch.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
+
+#include <vector>
 
 #include "gradzip/gradzip.hpp"
 
@@ -30,10 +32,19 @@ void encode_on(const c10::Device& device, const Codec& codec, const float* in, f
                size_t n, void* out, size_t out_bytes, float prescale, void* workspace,
                size_t workspace_bytes);
 
-// decode (add = false) or decode_add into n floats at `out`, on `device`. On CUDA, `status` (16
-// device bytes, or nullptr) selects the asynchronous decode whose status word a later check reads
-// (gradzip::cuda::decode); on the CPU it is ignored and errors throw at once.
+// decode (add = false) or decode_add into n floats at `out`, on `device`; errors throw.
 void decode_on(const c10::Device& device, const void* wire, size_t bytes, float* out, size_t n,
-               bool add, void* status = nullptr);
+               bool add);
+
+// encode_batch of `items` (memory on `device`), the workspace shared by the items.
+void encode_batch_on(const c10::Device& device, const std::vector<EncodeItem>& items,
+                     float prescale, void* workspace, size_t workspace_bytes);
+
+// decode_batch (add = false) or decode_add_batch of `items` (memory on `device`). On CUDA,
+// `status` (16 device bytes per item) receives the status words of the asynchronous batch, which
+// a later check reads (gradzip::cuda::decode_batch); on the CPU it must be null and the first
+// failing item throws.
+void decode_batch_on(const c10::Device& device, const std::vector<DecodeItem>& items, bool add,
+                     void* status);
 
 }  // namespace gradzip::torch_ext

@@ -57,4 +57,33 @@ constexpr size_t kDecodeWorkspaceBytes = 16;
 // Error(corrupt_payload) or Error(size_mismatch) naming the reason when the payload was rejected.
 void check_decode(const void* workspace, cudaStream_t stream);
 
+// Batches (gradzip::EncodeItem / DecodeItem of gradzip.hpp, the item array in host memory, the
+// buffers it points to on the device): the same bytes and results as a loop of the calls above,
+// on `stream`, in item order, but with the host's checks done once per batch. The current device
+// is asked once; for each argument (inputs, residuals, outputs, wire) the lowest and the highest
+// address the batch touches are checked to be memory of that device, so each argument's messages
+// must lie in device memory of the current device (typically one buffer cut into messages); the
+// sizes and alignments are checked per item, on the host. Any failed check throws before anything
+// is launched.
+
+// Encodes items[0, count) with `prescale`. The items run one after another on `stream` and share
+// the workspace: workspace_bytes >= gradzip::batch_workspace_bytes(items, count), 16-byte aligned.
+void encode_batch(const EncodeItem* items, size_t count, cudaStream_t stream,
+                  float prescale = 1.0f, void* workspace = nullptr, size_t workspace_bytes = 0);
+
+// Decodes (decode_add_batch: decode-adds) items[0, count) asynchronously. `status` is device
+// memory, 16-byte aligned, of status_bytes >= count * kDecodeWorkspaceBytes: item i leaves its
+// status word (as the asynchronous decode's workspace holds it) at status + 16 i, and a rejected
+// item leaves its output untouched while the others decode. Read them with check_decode_batch, or
+// in a later kernel (first 8 bytes of a word all zero = ok). A message shorter than the 32-byte
+// header throws at once, naming the item, as the single decode does.
+void decode_batch(const DecodeItem* items, size_t count, cudaStream_t stream, void* status,
+                  size_t status_bytes);
+void decode_add_batch(const DecodeItem* items, size_t count, cudaStream_t stream, void* status,
+                      size_t status_bytes);
+
+// Waits for `stream`, reads the `count` status words a batched decode left at `status` and throws
+// the first rejected item's Error (as check_decode), naming the item.
+void check_decode_batch(const void* status, size_t count, cudaStream_t stream);
+
 }  // namespace gradzip::cuda

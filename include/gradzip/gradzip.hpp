@@ -104,6 +104,50 @@ void decode(const void* wire, size_t bytes, float* out, size_t n);
 // out[0..n) += decode(wire), in element order (fixed order: bitwise reproducible).
 void decode_add(const void* wire, size_t bytes, float* out, size_t n);
 
+// Batches: many messages in one call (as a bucket cut into pieces is), each item with its own
+// codec and buffers. The items are processed in order, one after another, and give the same bytes
+// and results as a loop of the single-message calls above.
+
+// One message of encode_batch: encode (residual == nullptr) or encode_with_feedback of n floats
+// at `in` into out[0, out_bytes).
+struct EncodeItem {
+  const Codec* codec = nullptr;
+  const float* in = nullptr;
+  float* residual = nullptr;
+  size_t n = 0;
+  void* out = nullptr;
+  size_t out_bytes = 0;
+};
+
+// One message of decode_batch / decode_add_batch: the wire bytes [wire, wire + bytes) into n
+// floats at `out`.
+struct DecodeItem {
+  const void* wire = nullptr;
+  size_t bytes = 0;
+  float* out = nullptr;
+  size_t n = 0;
+};
+
+// Workspace bytes encode_batch needs: the items run one after another and share it, so the
+// largest of their codecs' workspace_bytes(n).
+size_t batch_workspace_bytes(const EncodeItem* items, size_t count);
+
+// Encodes items[0, count), every one with `prescale`. Every item's arguments are checked before
+// any is encoded: a bad one throws Error(invalid_argument) naming the item, and nothing is
+// written.
+void encode_batch(const EncodeItem* items, size_t count, float prescale = 1.0f,
+                  void* workspace = nullptr, size_t workspace_bytes = 0);
+
+// Decodes (decode_add_batch: decode-adds) items[0, count).
+//   * status != nullptr (count entries): every item is tried; status[i] is item i's outcome (ok,
+//     corrupt_payload, size_mismatch, invalid_argument) and a rejected item leaves its output
+//     untouched, so one corrupt message does not hide the others' results. Does not throw for an
+//     item's failure; returns the number of items that failed.
+//   * status == nullptr: throws the first failing item's Error, its message naming the item; the
+//     items before it are decoded, the ones after it are not.
+size_t decode_batch(const DecodeItem* items, size_t count, Status* status = nullptr);
+size_t decode_add_batch(const DecodeItem* items, size_t count, Status* status = nullptr);
+
 // CPU threads used by every host entry point (default: std::thread::hardware_concurrency()).
 // Results do not depend on the thread count.
 void set_num_threads(int n);

@@ -342,21 +342,3 @@ def test_optimizer_and_warmup_options_reach_the_runs_that_do_not_set_them():
     assert compress_warmup_steps(runs[0]) == 7 and optimizer_name(runs[0]) == "frozen-variance-adamw"
     with pytest.raises(SystemExit):
         parse_args(["--out", "x", "--optimizer", "lamb"])
-
-
-def test_cast_sum_reaches_the_cast_runs_only():
-    """--cast-sum sets the fp16/bf16 runs (named +sum=NAME) and reaches their reduction; fp32,
-    which every run is paired with, and the other codecs stay as they are."""
-    from gradzip.converge.cli import parse_args, with_cast_sum
-    from gradzip.converge.compression import Reducer
-    from gradzip.converge.suites import get_suite
-
-    args = parse_args(["--suite", "cpu-default", "--out", "x", "--cast-sum", "fp32"])
-    runs = {r.codec: r for r in with_cast_sum(get_suite("cpu-default").configs(), args.cast_sum)}
-    assert runs["bf16"].name == "bf16+sum=fp32" and runs["fp16"].name == "fp16+sum=fp32"
-    assert runs["fp32"].name == "fp32" and runs["int8"].cast_sum is None
-    for cast_sum, collective in (("fp32", "two_phase"), (None, "cast_allreduce")):
-        reducer = Reducer("bf16", 4, cast_sum=cast_sum)
-        assert reducer._sim.config.plan.collective == collective
-    with pytest.raises(SystemExit):
-        parse_args(["--out", "x", "--cast-sum", "fp16"])

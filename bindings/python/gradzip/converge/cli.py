@@ -21,8 +21,6 @@ from pathlib import Path
 import torch
 
 from .._extras import require
-from ..wire import CAST_SUMS, SUMMABLE_KINDS
-from .compression import BASELINE
 from .output import Progress, clear_results, summarise, write_suite_json
 from .suites import SUITES, get_suite
 from .training import (OPTIMIZERS, RunConfig, RunFiles, data_key, load_data, setup_process,
@@ -61,10 +59,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--uncompressed-numel", type=int, metavar="N",
                    help="int8/sign runs send 1-D tensors and those under N elements in fp32 "
                         "(CompressionState's uncompressed_numel; run names get +uN)")
-    p.add_argument("--cast-sum", choices=CAST_SUMS,
-                   help="the fp16/bf16 runs (not --strategy fsdp): sum each bucket by one "
-                        "all-reduce in the wire dtype (wire, the default) or two-phase in fp32 "
-                        "(run names get +sum=NAME)")
     p.add_argument("--optimizer", choices=("recipe", *OPTIMIZERS),
                    help="the optimizer of the runs that do not set their own (default: recipe, "
                         "gradzip.optim.compresses_direction's choice for each codec under AdamW; "
@@ -104,16 +98,6 @@ def select(configs: list[RunConfig], codecs: str | None, base: RunConfig | None 
         raise SystemExit(f"--codecs: {', '.join(unknown)} not in this suite ({', '.join(names)}) "
                          "and not a codec spec")
     return [names[w] if w in names else extra[w] for w in wanted]
-
-
-def with_cast_sum(configs: list[RunConfig], cast_sum: str | None) -> list[RunConfig]:
-    """``cast_sum`` set on the fp16/bf16 runs; the others, fp32's included (which every run is
-    paired with), stay as they are."""
-    if not cast_sum:
-        return configs
-    return [replace(c, cast_sum=cast_sum)
-            if c.codec.split(":")[0] in SUMMABLE_KINDS and c.codec != BASELINE else c
-            for c in configs]
 
 
 def _is_codec(spec: str) -> bool:
@@ -228,7 +212,6 @@ def _main(argv=None) -> int:
     suite = get_suite(args.suite)
     configs = with_seeds(select(suite.configs(**overrides(args)), args.codecs,
                                 replace(suite.base, **overrides(args))), args.seeds)
-    configs = with_cast_sum(configs, args.cast_sum)
     if args.strategy == "fsdp" and any(c.warmup_codec for c in configs):
         raise SystemExit("a warm-up codec (+wN:CODEC runs) applies to the all-reduce; under "
                          "--strategy fsdp the warm-up is FSDP's own reduce-scatter")

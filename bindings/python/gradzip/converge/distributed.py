@@ -57,8 +57,7 @@ class _DDP:
         self.state = CompressionState(
             cfg.codec, **baseline_or_codec(cfg.codec, cfg.error_feedback),
             warmup_steps=compress_warmup_steps(cfg), optimizer=hook_optimizer(self.opt),
-            warmup_codec=cfg.warmup_codec, uncompressed_numel=cfg.uncompressed_numel,
-            cast_sum=cfg.cast_sum)
+            warmup_codec=cfg.warmup_codec, uncompressed_numel=cfg.uncompressed_numel)
         self.forward.register_comm_hook(self.state, compress_hook)
 
 

@@ -59,8 +59,6 @@ class RunConfig:
     # feedback, bytes counted); None: fp32
     param_codec: str | None = None  # FSDP only: its parameter all-gathers in this codec
     uncompressed_numel: int = 0  # int8/sign: 1-D tensors and those under N elements sent in fp32
-    cast_sum: str | None = None  # fp16/bf16: where buckets are summed, "wire" (one all-reduce in
-    # the wire dtype) or "fp32" (two-phase, fp32 accumulation); None: the reduction's default
     seed: int = 0
     data: str = "procedural"  # or nyu:FILE / kitti:DEPTH,RAW / folder:DIR; a language model's:
     # a text of text.TEXTS (the image and scene settings do not apply to it)
@@ -84,7 +82,6 @@ class RunConfig:
         name += f"+w{self.compress_warmup}" if self.compress_warmup is not None else ""
         name += f":{canonical_codec(self.warmup_codec)}" if self.warmup_codec else ""
         name += f"+u{self.uncompressed_numel}" if self.uncompressed_numel else ""
-        name += f"+sum={self.cast_sum}" if self.cast_sum else ""
         return name + (f"+params={self.param_codec}" if self.param_codec else "")
 
 
@@ -309,7 +306,7 @@ def train_simulated(cfg: RunConfig, out: Path, data: tuple[dict, dict], device: 
                       param_shapes=[tuple(p.shape) for p in params],
                       bucket_cap_mb=cfg.bucket_cap_mb, warmup_steps=compress_warmup_steps(cfg),
                       optimizer=hook_optimizer(opt), warmup_codec=cfg.warmup_codec,
-                      uncompressed_numel=cfg.uncompressed_numel, cast_sum=cfg.cast_sum)
+                      uncompressed_numel=cfg.uncompressed_numel)
     start, wall = 0, 0.0
     if (state := files.load_checkpoint()) is not None:
         model.load_state_dict(state["model"])

@@ -4,7 +4,9 @@
 //                                                    the registered process group of that name
 //                                                    (and that one for the two-phase all-gathers)
 //   BucketReduction(codec, world, rank, numels, like, cast_sum="wire", exact=[])   one rank's
-//                                                    phases, exchange done by the caller
+//                                                    phases and buffers; W of them reduced by
+//   gradzip::reduce_in_memory(ranks, xs, residuals, owner_residuals, outs)   the collectives done
+//                                                    in memory (in_memory_exchange.hpp)
 //   LowRankReduction(rank, world, numels, rows, like)   one rank's phases of lowrank:R, the
 //                                                    all-reduces done by the caller
 //   NonfiniteGuard()
@@ -18,6 +20,7 @@
 #include <optional>
 
 #include "compressed_allreduce.hpp"
+#include "in_memory_exchange.hpp"
 #include "device_codec.hpp"
 
 namespace gradzip::torch_ext {
@@ -32,7 +35,7 @@ Codec parse_spec(const std::string& spec) {
   return guarded("compressed_allreduce", [&] { return Codec::parse(spec); });
 }
 
-// The exchange of a simulated reduction needs the buffers; the computation stays in C++.
+// One rank's reduction; its buffers are readable for tests of the bytes.
 class PyBucketReduction : public torch::CustomClassHolder {
  public:
   PyBucketReduction(const std::string& spec, int64_t world, int64_t rank,
@@ -50,6 +53,28 @@ class PyLowRankReduction : public torch::CustomClassHolder {
       : r(rank, world, numels, rows, like.options()) {}
   LowRankReduction r;
 };
+
+void reduce_in_memory_op(const c10::List<c10::intrusive_ptr<PyBucketReduction>>& ranks,
+                         const std::vector<at::Tensor>& xs,
+                         const c10::List<std::optional<at::Tensor>>& residuals,
+                         const c10::List<std::optional<at::Tensor>>& owner_residuals,
+                         const std::vector<at::Tensor>& outs) {
+  const size_t world = ranks.size();
+  TORCH_CHECK_VALUE(xs.size() == world && residuals.size() == world &&
+                        owner_residuals.size() == world && outs.size() == world,
+                    "gradzip: reduce_in_memory needs one x, residual, owner residual and output "
+                    "per rank, for ", world, " ranks got ", xs.size(), ", ", residuals.size(), ", ",
+                    owner_residuals.size(), " and ", outs.size());
+  std::vector<BucketReduction*> reductions;
+  std::vector<Operands> operands;
+  for (size_t r = 0; r < world; ++r) {
+    reductions.push_back(&ranks.get(r)->r);
+    operands.push_back({xs[r], or_undefined(residuals.get(r)), or_undefined(owner_residuals.get(r)),
+                        outs[r], std::nullopt});
+  }
+  const at::NoGradGuard no_grad;
+  reduce_in_memory(reductions, operands);
+}
 
 std::vector<int64_t> lowrank_sizes_op(int64_t rank, const std::vector<int64_t>& numels,
                                       const std::vector<int64_t>& rows) {
@@ -154,29 +179,16 @@ TORCH_LIBRARY_FRAGMENT(gradzip, m) {
                 torch::arg("exact") = c10::List<bool>()})
       .def("two_phase", [](const c10::intrusive_ptr<PyBucketReduction>& s) { return s->r.two_phase(); })
       .def("wire_sum", [](const c10::intrusive_ptr<PyBucketReduction>& s) { return s->r.wire_sum(); })
-      .def("payload", [](const c10::intrusive_ptr<PyBucketReduction>& s) { return s->r.payload; })
       .def("encode",
            [](const c10::intrusive_ptr<PyBucketReduction>& s, const at::Tensor& x,
               const std::optional<at::Tensor>& residual) { s->r.encode(x, or_undefined(residual)); })
-      .def("reduce_owner",
-           [](const c10::intrusive_ptr<PyBucketReduction>& s,
-              const std::optional<at::Tensor>& owner_residual) {
-             s->r.reduce_owner(or_undefined(owner_residual));
-           })
-      .def("decode", [](const c10::intrusive_ptr<PyBucketReduction>& s,
-                        const at::Tensor& out) { s->r.decode(out); })
       .def("send", [](const c10::intrusive_ptr<PyBucketReduction>& s) { return s->r.send; })
-      .def("recv", [](const c10::intrusive_ptr<PyBucketReduction>& s) { return s->r.recv; })
       .def("send_splits", [](const c10::intrusive_ptr<PyBucketReduction>& s) { return s->r.send_splits; })
-      .def("gather_in", [](const c10::intrusive_ptr<PyBucketReduction>& s) { return s->r.gather_in; })
-      .def("gathered", [](const c10::intrusive_ptr<PyBucketReduction>& s) { return s->r.gathered; })
-      .def("shard", [](const c10::intrusive_ptr<PyBucketReduction>& s) {
-        const auto& l = s->r.layout();
-        const int64_t rank = s->r.rank();
-        return l.two_phase ? std::vector<int64_t>{l.starts[rank], l.shard_size(rank)}
-                           : std::vector<int64_t>{0, l.n};
-      });
+      .def("gather_in", [](const c10::intrusive_ptr<PyBucketReduction>& s) { return s->r.gather_in; });
 
+  m.def("reduce_in_memory(__torch__.torch.classes.gradzip.BucketReduction[] ranks, Tensor[] xs, "
+        "Tensor(a!)?[] residuals, Tensor(b!)?[] owner_residuals, Tensor(c!)[] outs) -> ()",
+        &reduce_in_memory_op);
   m.def("bucket_traffic(str spec, int world, int rank, int[] numels, str cast_sum=\"wire\", "
         "bool[] exact=[]) -> int[]",
         &bucket_traffic);

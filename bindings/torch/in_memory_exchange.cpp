@@ -1,0 +1,81 @@
+#include "in_memory_exchange.hpp"
+
+#include <ATen/ops/zeros_like.h>
+
+namespace gradzip::torch_ext {
+namespace {
+
+// The bytes [at, at + len) of a uint8 buffer.
+at::Tensor bytes(const at::Tensor& buffer, int64_t at, int64_t len) {
+  return buffer.narrow(0, at, len);
+}
+
+void alltoall(const std::vector<BucketReduction*>& ranks) {
+  const size_t world = ranks.size();
+  std::vector<int64_t> sent(world, 0);  // per sender, the offset of its bytes for the next rank
+  for (BucketReduction* to : ranks) {
+    int64_t received = 0;
+    for (size_t i = 0; i < world; ++i) {
+      const int64_t len = ranks[i]->send_splits[to->rank()];
+      bytes(to->recv, received, len).copy_(bytes(ranks[i]->send, sent[i], len));
+      sent[i] += len;
+      received += len;
+    }
+  }
+}
+
+void allgather(const std::vector<BucketReduction*>& ranks) {
+  for (BucketReduction* to : ranks) {
+    int64_t at = 0;
+    for (BucketReduction* from : ranks) {
+      const int64_t len = from->gather_in.numel();
+      bytes(to->gathered, at, len).copy_(from->gather_in);
+      at += len;
+    }
+  }
+}
+
+void allreduce_payload(const std::vector<BucketReduction*>& ranks) {
+  const at::Tensor total = at::zeros_like(ranks[0]->payload, ranks[0]->payload.options().dtype(at::kFloat));
+  for (BucketReduction* r : ranks) total.add_(r->payload);
+  for (BucketReduction* r : ranks) r->payload.copy_(total);
+}
+
+void check_ranks(const std::vector<BucketReduction*>& ranks, const std::vector<Operands>& operands) {
+  TORCH_CHECK_VALUE(!ranks.empty(), "gradzip: an in-memory reduction needs at least one rank");
+  TORCH_CHECK_VALUE(operands.size() == ranks.size(), "gradzip: ", operands.size(),
+                    " ranks' tensors for ", ranks.size(), " reductions");
+  const BucketReduction& first = *ranks[0];
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    TORCH_CHECK_VALUE(ranks[r] != nullptr && ranks[r]->rank() == static_cast<int64_t>(r) &&
+                          ranks[r]->layout().world == static_cast<int64_t>(ranks.size()),
+                      "gradzip: the reductions must be those of ranks 0..", ranks.size() - 1,
+                      " of a world of ", ranks.size(), ", in rank order");
+    TORCH_CHECK_VALUE(ranks[r]->codec() == first.codec() && ranks[r]->layout() == first.layout(),
+                      "gradzip: the reductions of one bucket must share its codec and layout");
+  }
+}
+
+}  // namespace
+
+void reduce_in_memory(const std::vector<BucketReduction*>& ranks,
+                      const std::vector<Operands>& operands) {
+  check_ranks(ranks, operands);
+  for (const Step step : ranks[0]->layout().steps) {
+    switch (step) {
+      case Step::allreduce_payload:
+        allreduce_payload(ranks);
+        break;
+      case Step::alltoall:
+        alltoall(ranks);
+        break;
+      case Step::allgather:
+        allgather(ranks);
+        break;
+      default:
+        for (size_t r = 0; r < ranks.size(); ++r) ranks[r]->compute(step, operands[r]);
+    }
+  }
+}
+
+}  // namespace gradzip::torch_ext

@@ -1,0 +1,25 @@
+// The reduction of one bucket for W ranks simulated in one process (gradzip.simulation's
+// SimulatedWorkers): the layout's steps (bucket_reduction.hpp) run for every rank in lock-step, in
+// rank order, and each collective done in memory on the ranks' buffers:
+//   alltoall           rank i's bytes for rank j copied into rank j's recv, in rank order;
+//   allgather          the W gather_in slots concatenated in rank order into every gathered;
+//   allreduce_payload  the fp32 sum of the W payloads in rank order, rounded once to the wire dtype.
+// The all-to-all and the all-gather move the bytes a process group moves, so the result equals
+// compressed_allreduce.hpp's bit for bit. The casts' one all-reduce is summed by a backend in the
+// wire dtype in an order of its own (Gloo and NCCL differ, and so do the elements of one bucket):
+// there the result equals it only to the wire dtype's rounding of a W-term sum; the residuals,
+// which each rank forms from its own payload, are equal bit for bit.
+#pragma once
+
+#include <vector>
+
+#include "bucket_reduction.hpp"
+
+namespace gradzip::torch_ext {
+
+// ranks[r]: rank r's reduction, every one of the same codec and layout; operands[r]: its tensors
+// (prescale unset: the average's 1 / W).
+void reduce_in_memory(const std::vector<BucketReduction*>& ranks,
+                      const std::vector<Operands>& operands);
+
+}  // namespace gradzip::torch_ext

@@ -7,8 +7,9 @@
 //                                                    phases and buffers; W of them reduced by
 //   gradzip::reduce_in_memory(ranks, xs, residuals, owner_residuals, outs)   the collectives done
 //                                                    in memory (in_memory_exchange.hpp)
-//   LowRankReduction(rank, world, numels, rows, like)   one rank's phases of lowrank:R, the
-//                                                    all-reduces done by the caller
+//   LowRankReduction(rank, world, numels, rows, like)   one rank's phases of lowrank:R; W of
+//                                                    them reduced by
+//   gradzip::reduce_lowrank_in_memory(ranks, xs, residuals, qs)   the all-reduces done in memory
 //   NonfiniteGuard()
 // and the layout's sizes as ops (gradzip::bucket_traffic, reduce_scatter_traffic, fp32_traffic,
 // shard_starts, lowrank_sizes; lowrank_rank_of parses a lowrank spec: its R, or 0 for another
@@ -71,6 +72,24 @@ void reduce_in_memory_op(const c10::List<c10::intrusive_ptr<PyBucketReduction>>&
     reductions.push_back(&ranks.get(r)->r);
     operands.push_back({xs[r], or_undefined(residuals.get(r)), or_undefined(owner_residuals.get(r)),
                         outs[r], std::nullopt});
+  }
+  const at::NoGradGuard no_grad;
+  reduce_in_memory(reductions, operands);
+}
+
+void reduce_lowrank_in_memory_op(const c10::List<c10::intrusive_ptr<PyLowRankReduction>>& ranks,
+                                 const std::vector<at::Tensor>& xs,
+                                 const c10::List<std::optional<at::Tensor>>& residuals,
+                                 const std::vector<at::Tensor>& qs) {
+  const size_t world = ranks.size();
+  TORCH_CHECK_VALUE(xs.size() == world && residuals.size() == world && qs.size() == world,
+                    "gradzip: reduce_lowrank_in_memory needs one x, residual and q per rank, for ",
+                    world, " ranks got ", xs.size(), ", ", residuals.size(), " and ", qs.size());
+  std::vector<LowRankReduction*> reductions;
+  std::vector<LowRankOperands> operands;
+  for (size_t r = 0; r < world; ++r) {
+    reductions.push_back(&ranks.get(r)->r);
+    operands.push_back({xs[r], or_undefined(residuals.get(r)), qs[r]});
   }
   const at::NoGradGuard no_grad;
   reduce_in_memory(reductions, operands);
@@ -156,20 +175,10 @@ TORCH_LIBRARY_FRAGMENT(gradzip, m) {
            })
       .def("check_errors", &CompressedAllreduce::check_errors);
 
-  using LowRank = c10::intrusive_ptr<PyLowRankReduction>;
   m.class_<PyLowRankReduction>("LowRankReduction")
       .def(torch::init<int64_t, int64_t, std::vector<int64_t>, std::vector<int64_t>, at::Tensor>(),
            "", {torch::arg("rank"), torch::arg("world"), torch::arg("numels"), torch::arg("rows"),
-                torch::arg("like")})
-      .def("p", [](const LowRank& s) { return s->r.p; })
-      .def("compute_p", [](const LowRank& s, const at::Tensor& x,
-                           const std::optional<at::Tensor>& residual,
-                           const at::Tensor& q) { s->r.compute_p(x, or_undefined(residual), q); })
-      .def("compute_q", [](const LowRank& s, const at::Tensor& x,
-                           const at::Tensor& q) { s->r.compute_q(x, q); })
-      .def("finish", [](const LowRank& s, const at::Tensor& x,
-                        const std::optional<at::Tensor>& residual,
-                        const at::Tensor& q) { s->r.finish(x, or_undefined(residual), q); });
+                torch::arg("like")});
 
   m.class_<PyBucketReduction>("BucketReduction")
       .def(torch::init<std::string, int64_t, int64_t, std::vector<int64_t>, at::Tensor, std::string,
@@ -189,6 +198,9 @@ TORCH_LIBRARY_FRAGMENT(gradzip, m) {
   m.def("reduce_in_memory(__torch__.torch.classes.gradzip.BucketReduction[] ranks, Tensor[] xs, "
         "Tensor(a!)?[] residuals, Tensor(b!)?[] owner_residuals, Tensor(c!)[] outs) -> ()",
         &reduce_in_memory_op);
+  m.def("reduce_lowrank_in_memory(__torch__.torch.classes.gradzip.LowRankReduction[] ranks, "
+        "Tensor(a!)[] xs, Tensor(b!)?[] residuals, Tensor(c!)[] qs) -> ()",
+        &reduce_lowrank_in_memory_op);
   m.def("bucket_traffic(str spec, int world, int rank, int[] numels, str cast_sum=\"wire\", "
         "bool[] exact=[]) -> int[]",
         &bucket_traffic);

@@ -237,19 +237,30 @@ c10::intrusive_ptr<c10::ivalue::Future> CompressedAllreduce::reduce_lowrank(
     cached = {numels, rows,
               std::make_shared<LowRankReduction>(*lowrank_, world(), numels, rows, x.options())};
   const bool copy_back = !bucket.is_same(x);
+  const LowRankOperands operands{x, residual, q};
   return launch(index, bucket, nullptr, [group = group_, guard = guard_, r = cached.reduction,
-                                         bucket, x, residual, q, copy_back]() -> Finish {
-    if (guard) guard->save({residual, q});
-    r->compute_p(x, residual, q);
-    std::vector<at::Tensor> p{r->p};
-    group->allreduce(p)->wait();
-    r->compute_q(x, q);
-    std::vector<at::Tensor> qs{q};
-    return [work = group->allreduce(qs), guard, r, bucket, x, residual, q, copy_back] {
+                                         bucket, operands, copy_back]() -> Finish {
+    if (guard) guard->save({operands.residual, operands.q});
+    auto allreduce = [&](LowRankStep step) {
+      std::vector<at::Tensor> summed{r->summed(step, operands)};
+      return group->allreduce(summed);
+    };
+    // Every step up to the start of the last all-reduce here (an all-reduce before it waited for:
+    // the next one is issued on the same group, in call order), the rest once that completes.
+    const std::vector<LowRankStep>& steps = LowRankReduction::steps();
+    const auto last = std::find_if(steps.rbegin(), steps.rend(), is_allreduce).base() - 1;
+    for (auto step = steps.begin(); step != last; ++step) {
+      if (is_allreduce(*step))
+        allreduce(*step)->wait();
+      else
+        r->compute(*step, operands);
+    }
+    return [work = allreduce(*last), rest = std::vector<LowRankStep>(last + 1, steps.end()), guard,
+            r, bucket, operands, copy_back] {
       work->wait();
-      r->finish(x, residual, q);
-      if (guard) guard->flag(x);
-      if (copy_back) bucket.copy_(x);
+      for (const LowRankStep step : rest) r->compute(step, operands);
+      if (guard) guard->flag(operands.x);
+      if (copy_back) bucket.copy_(operands.x);
     };
   });
 }

@@ -35,16 +35,27 @@ void allgather(const std::vector<BucketReduction*>& ranks) {
   }
 }
 
+// The all-reduce (SUM) of the W buffers: summed in fp32 in rank order, rounded once to their dtype.
+void sum_in_place(const std::vector<at::Tensor>& buffers) {
+  const at::Tensor total = at::zeros_like(buffers[0], buffers[0].options().dtype(at::kFloat));
+  for (const at::Tensor& b : buffers) total.add_(b);
+  for (const at::Tensor& b : buffers) b.copy_(total);
+}
+
 void allreduce_payload(const std::vector<BucketReduction*>& ranks) {
-  const at::Tensor total = at::zeros_like(ranks[0]->payload, ranks[0]->payload.options().dtype(at::kFloat));
-  for (BucketReduction* r : ranks) total.add_(r->payload);
-  for (BucketReduction* r : ranks) r->payload.copy_(total);
+  std::vector<at::Tensor> payloads;
+  for (BucketReduction* r : ranks) payloads.push_back(r->payload);
+  sum_in_place(payloads);
+}
+
+void check_world(size_t ranks, size_t operands) {
+  TORCH_CHECK_VALUE(ranks >= 1, "gradzip: an in-memory reduction needs at least one rank");
+  TORCH_CHECK_VALUE(operands == ranks, "gradzip: ", operands, " ranks' tensors for ", ranks,
+                    " reductions");
 }
 
 void check_ranks(const std::vector<BucketReduction*>& ranks, const std::vector<Operands>& operands) {
-  TORCH_CHECK_VALUE(!ranks.empty(), "gradzip: an in-memory reduction needs at least one rank");
-  TORCH_CHECK_VALUE(operands.size() == ranks.size(), "gradzip: ", operands.size(),
-                    " ranks' tensors for ", ranks.size(), " reductions");
+  check_world(ranks.size(), operands.size());
   const BucketReduction& first = *ranks[0];
   for (size_t r = 0; r < ranks.size(); ++r) {
     TORCH_CHECK_VALUE(ranks[r] != nullptr && ranks[r]->rank() == static_cast<int64_t>(r) &&
@@ -74,6 +85,25 @@ void reduce_in_memory(const std::vector<BucketReduction*>& ranks,
         break;
       default:
         for (size_t r = 0; r < ranks.size(); ++r) ranks[r]->compute(step, operands[r]);
+    }
+  }
+}
+
+void reduce_in_memory(const std::vector<LowRankReduction*>& ranks,
+                      const std::vector<LowRankOperands>& operands) {
+  check_world(ranks.size(), operands.size());
+  for (const LowRankReduction* r : ranks)
+    TORCH_CHECK_VALUE(r != nullptr && r->world() == static_cast<int64_t>(ranks.size()) &&
+                          r->same_layout(*ranks[0]),
+                      "gradzip: the lowrank reductions must be of one bucket's tensors over a "
+                      "world of ", ranks.size());
+  for (const LowRankStep step : LowRankReduction::steps()) {
+    if (is_allreduce(step)) {
+      std::vector<at::Tensor> summed;
+      for (size_t r = 0; r < ranks.size(); ++r) summed.push_back(ranks[r]->summed(step, operands[r]));
+      sum_in_place(summed);
+    } else {
+      for (size_t r = 0; r < ranks.size(); ++r) ranks[r]->compute(step, operands[r]);
     }
   }
 }

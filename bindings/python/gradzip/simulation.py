@@ -10,7 +10,7 @@ buckets (a plain fp32 all-reduce; equal to fp32 rounding).
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Sequence
+from typing import List, Optional
 
 import torch
 
@@ -111,9 +111,9 @@ class SimulatedWorkers(Reporting):
                 out.clone() for _ in range(world - 1)]
         elif bucket.lowrank:
             outs = [f.clone() for f in flats]  # reduced in place; flats may be the caller's grads
-            run_simulated_lowrank(
+            torch.ops.gradzip.reduce_lowrank_in_memory(
                 self._lowrank_reductions(bucket_index, bucket.numels, bucket.rows, flats[0]),
-                outs, states)
+                outs, [st.residual for st in states], [st.q for st in states])
         else:
             outs = [torch.empty_like(f) for f in flats]
             feedback = [bucket.feedback(st) for st in states]
@@ -164,26 +164,3 @@ class SimulatedWorkers(Reporting):
         self.step = int(state["step"])
         for store, d in zip(self._ef, state["workers"]):
             store.load_state_dict(d)
-
-
-def run_simulated_lowrank(reductions: Sequence, xs: Sequence[torch.Tensor], states: Sequence) -> None:
-    """Runs one C++ LowRankReduction per rank through its phases, each all-reduce done as the sum
-    of the W buffers in rank order: at W = 2 what every backend computes (a + b commutes), above it
-    equal to fp32 rounding (the backend's summation order is its own). ``xs`` are overwritten with
-    the average."""
-    for red, x, st in zip(reductions, xs, states):
-        red.compute_p(x, st.residual, st.q)
-    _sum_in_place([red.p() for red in reductions])
-    for red, x, st in zip(reductions, xs, states):
-        red.compute_q(x, st.q)
-    _sum_in_place([st.q for st in states])
-    for red, x, st in zip(reductions, xs, states):
-        red.finish(x, st.residual, st.q)
-
-
-def _sum_in_place(buffers: Sequence[torch.Tensor]) -> None:
-    total = torch.zeros_like(buffers[0])
-    for b in buffers:
-        total += b
-    for b in buffers:
-        b.copy_(total)

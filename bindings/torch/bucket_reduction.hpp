@@ -1,9 +1,9 @@
 // One rank's part of the compressed average of one flat float32 bucket, cut into the phases
 // between its collectives, so that a process group (compressed_allreduce.hpp) and W ranks simulated
 // in one process (in_memory_exchange.hpp, behind gradzip.simulation.SimulatedWorkers) run exactly
-// the same arithmetic on the same bytes. The order of the phases and collectives is written once,
-// as data: BucketLayout::steps, the list below, which each of those two drivers interprets (the
-// phases through BucketReduction::compute, the collectives its own way).
+// the same arithmetic on the same bytes. The order of the phases and collectives, the sequences
+// below, is written once, as data (BucketLayout::steps, a list of Step), which each of those two
+// drivers interprets: the phases through BucketReduction::compute, the collectives its own way.
 //
 // The casts (fp32, fp16, bf16) by default (CastSum::wire):
 //   encode        the whole bucket is encoded as one message (prescale 1/W, error feedback into
@@ -27,7 +27,7 @@
 //   decode        every rank decodes every shard.
 // For the casts this buys fp32 accumulation in a fixed order: the sum neither loses precision nor
 // overflows as W grows (fp16/bf16), is bitwise identical on every backend, and equals an
-// in-process simulation (gradzip.ddp.SimulatedWorkers) bit for bit.
+// in-process simulation (gradzip.simulation.SimulatedWorkers) bit for bit.
 // Top-k: encode the whole bucket (prescale 1/W, error feedback) into gather_in; all-gather;
 // decode-add the W payloads in rank order into zeros.
 //

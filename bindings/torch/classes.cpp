@@ -21,8 +21,8 @@
 #include <optional>
 
 #include "compressed_allreduce.hpp"
-#include "in_memory_exchange.hpp"
 #include "device_codec.hpp"
+#include "in_memory_exchange.hpp"
 
 namespace gradzip::torch_ext {
 namespace {

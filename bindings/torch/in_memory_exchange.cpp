@@ -54,15 +54,16 @@ void check_world(size_t ranks, size_t operands) {
                     " reductions");
 }
 
-void check_ranks(const std::vector<BucketReduction*>& ranks, const std::vector<Operands>& operands) {
+void check_ranks(const std::vector<BucketReduction*>& ranks,
+                 const std::vector<Operands>& operands) {
   check_world(ranks.size(), operands.size());
-  const BucketReduction& first = *ranks[0];
   for (size_t r = 0; r < ranks.size(); ++r) {
     TORCH_CHECK_VALUE(ranks[r] != nullptr && ranks[r]->rank() == static_cast<int64_t>(r) &&
                           ranks[r]->layout().world == static_cast<int64_t>(ranks.size()),
                       "gradzip: the reductions must be those of ranks 0..", ranks.size() - 1,
                       " of a world of ", ranks.size(), ", in rank order");
-    TORCH_CHECK_VALUE(ranks[r]->codec() == first.codec() && ranks[r]->layout() == first.layout(),
+    TORCH_CHECK_VALUE(ranks[r]->codec() == ranks[0]->codec() &&
+                          ranks[r]->layout() == ranks[0]->layout(),
                       "gradzip: the reductions of one bucket must share its codec and layout");
   }
 }
@@ -100,7 +101,8 @@ void reduce_in_memory(const std::vector<LowRankReduction*>& ranks,
   for (const LowRankStep step : LowRankReduction::steps()) {
     if (is_allreduce(step)) {
       std::vector<at::Tensor> summed;
-      for (size_t r = 0; r < ranks.size(); ++r) summed.push_back(ranks[r]->summed(step, operands[r]));
+      for (size_t r = 0; r < ranks.size(); ++r)
+        summed.push_back(ranks[r]->summed(step, operands[r]));
       sum_in_place(summed);
     } else {
       for (size_t r = 0; r < ranks.size(); ++r) ranks[r]->compute(step, operands[r]);

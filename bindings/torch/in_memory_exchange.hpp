@@ -4,7 +4,8 @@
 // order, and each collective done in memory on the ranks' buffers:
 //   alltoall           rank i's bytes for rank j copied into rank j's recv, in rank order;
 //   allgather          the W gather_in slots concatenated in rank order into every gathered;
-//   allreduce_payload  the fp32 sum of the W payloads in rank order, rounded once to the wire dtype.
+//   allreduce_payload  the fp32 sum of the W payloads in rank order, rounded once to the wire
+//                      dtype.
 // The all-to-all and the all-gather move the bytes a process group moves, so the result equals
 // compressed_allreduce.hpp's bit for bit. The casts' one all-reduce is summed by a backend in the
 // wire dtype in an order of its own (Gloo and NCCL differ, and so do the elements of one bucket):

@@ -1,6 +1,7 @@
 // One rank's part of the low-rank (PowerSGD) average of one flat float32 bucket, "lowrank:R", cut
 // into the phases between its two all-reduces, so that a process group (compressed_allreduce.hpp)
-// and W ranks simulated in one process (gradzip.ddp.SimulatedWorkers) run the same arithmetic.
+// and W ranks simulated in one process (in_memory_exchange.hpp, behind
+// gradzip.simulation.SimulatedWorkers) run the same arithmetic.
 //
 // Each tensor of the bucket is a matrix M (rows = its first dimension, cols = the rest), with
 // M = x / W + residual (error feedback in the units of the average). Per step:

@@ -25,7 +25,9 @@ __all__ = ["SimulatedWorkers"]
 
 class SimulatedWorkers(Reporting):
     """W workers in one process, each with its own error-feedback state, reduced with exactly the
-    arithmetic of :func:`compress_hook` (the same C++ phases; the collectives done in memory).
+    arithmetic of :func:`compress_hook` (the same C++ phases in the same order, written once in
+    C++; the collectives done in memory by ``torch.ops.gradzip.reduce_in_memory`` /
+    ``reduce_lowrank_in_memory``).
 
         sim = SimulatedWorkers("int8", world_size=4)
         avg = sim.reduce([g0, g1, g2, g3])   # what every rank's bucket holds after the hook

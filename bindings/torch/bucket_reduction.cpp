@@ -67,6 +67,10 @@ int64_t slot_bytes(const Codec& codec, const Piece& p) {
 
 }  // namespace
 
+bool is_collective(Step step) {
+  return step == Step::allreduce_payload || step == Step::alltoall || step == Step::allgather;
+}
+
 CastSum parse_cast_sum(const std::string& name) {
   if (name == "wire") return CastSum::wire;
   TORCH_CHECK_VALUE(name == "fp32", "gradzip: cast_sum must be 'wire' or 'fp32', got '", name, "'");
@@ -92,6 +96,15 @@ BucketLayout::BucketLayout(const Codec& codec, int64_t world_, const std::vector
   });
   wire_sum = collective == Collective::allreduce && cast_sum == CastSum::wire && summable;
   two_phase = !wire_sum && (collective == Collective::reduce_scatter || !all_gathered);
+  using enum Step;
+  if (collective == Collective::reduce_scatter)
+    steps = {encode, alltoall, sum_shard};
+  else if (wire_sum)
+    steps = {encode, allreduce_payload, decode};
+  else if (two_phase)
+    steps = {encode, alltoall, reduce_owner, allgather, decode};
+  else
+    steps = {encode, allgather, decode};
   if (!two_phase) {
     slot = slot_bytes(codec, n);
     if (wire_sum) summed_bytes = payload_bytes(codec, n);
@@ -244,6 +257,31 @@ void BucketReduction::decode_all(const Messages& m, const uint8_t* wire, float* 
                      ? static_cast<uint8_t*>(decode_status.data_ptr()) + 16 * status_index
                      : nullptr;
   guarded("compressed_allreduce", [&] { decode_batch_on(device_, items, add, status); });
+}
+
+void BucketReduction::compute(Step step, const Operands& operands) {
+  switch (step) {
+    case Step::encode:
+      if (operands.prescale)
+        encode(operands.x, operands.residual, *operands.prescale);
+      else
+        encode(operands.x, operands.residual);
+      return;
+    case Step::reduce_owner:
+      reduce_owner(operands.owner_residual);
+      return;
+    case Step::decode:
+      decode(operands.out);
+      return;
+    case Step::sum_shard:
+      sum_shard(operands.out);
+      return;
+    case Step::allreduce_payload:
+    case Step::alltoall:
+    case Step::allgather:
+      break;
+  }
+  TORCH_CHECK(false, "gradzip: a collective is the driver's to run, not a phase to compute");
 }
 
 void BucketReduction::encode(const at::Tensor& x, const at::Tensor& residual) {

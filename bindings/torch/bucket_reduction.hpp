@@ -1,6 +1,9 @@
 // One rank's part of the compressed average of one flat float32 bucket, cut into the phases
 // between its collectives, so that a process group (compressed_allreduce.hpp) and W ranks simulated
-// in one process (gradzip.ddp.SimulatedWorkers) run exactly the same arithmetic on the same bytes.
+// in one process (in_memory_exchange.hpp, behind gradzip.simulation.SimulatedWorkers) run exactly
+// the same arithmetic on the same bytes. The order of the phases and collectives, the sequences
+// below, is written once, as data (BucketLayout::steps, a list of Step), which each of those two
+// drivers interprets: the phases through BucketReduction::compute, the collectives its own way.
 //
 // The casts (fp32, fp16, bf16) by default (CastSum::wire):
 //   encode        the whole bucket is encoded as one message (prescale 1/W, error feedback into
@@ -24,7 +27,7 @@
 //   decode        every rank decodes every shard.
 // For the casts this buys fp32 accumulation in a fixed order: the sum neither loses precision nor
 // overflows as W grows (fp16/bf16), is bitwise identical on every backend, and equals an
-// in-process simulation (gradzip.ddp.SimulatedWorkers) bit for bit.
+// in-process simulation (gradzip.simulation.SimulatedWorkers) bit for bit.
 // Top-k: encode the whole bucket (prescale 1/W, error feedback) into gather_in; all-gather;
 // decode-add the W payloads in rank order into zeros.
 //
@@ -54,6 +57,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -78,7 +82,17 @@ CastSum parse_cast_sum(const std::string& name);
 struct Piece {
   int64_t len = 0;
   bool exact = false;
+
+  bool operator==(const Piece&) const = default;
 };
+
+// The steps of one rank's reduction: the phases it computes alone (encode, reduce_owner, decode,
+// sum_shard) and the collectives between them, which exchange BucketReduction's buffers:
+//   allreduce_payload  payload summed in place (SUM, the wire dtype);
+//   alltoall           send -> recv, send_splits / recv_splits bytes per rank;
+//   allgather          gather_in -> gathered, the W slots in rank order.
+enum class Step { encode, allreduce_payload, alltoall, reduce_owner, allgather, decode, sum_shard };
+bool is_collective(Step step);
 
 // Where the bytes go: a pure function of the codec, W, n, the tensor sizes and which of them
 // travel exact (`exact`: one flag per tensor, or empty for none).
@@ -99,6 +113,9 @@ struct BucketLayout {
   int64_t slot = 0;                          // bytes of one all-gather contribution (all-reduce),
                                              // or of the one message (wire_sum)
   int64_t summed_bytes = 0;                  // wire_sum: the payload's, all-reduced (no header)
+  std::vector<Step> steps;                   // the order of the reduction, from the list above
+
+  bool operator==(const BucketLayout&) const = default;
 
   int64_t shard_size(int64_t rank) const { return starts[rank + 1] - starts[rank]; }
   // Bytes one rank sends and receives for this bucket (an uncompressed bucket: see fp32_traffic).
@@ -114,6 +131,15 @@ int64_t ring_allreduce_traffic(int64_t bytes, int64_t world);
 // Bytes each way of a ring all-reduce of n floats over W ranks, the uncompressed reference.
 int64_t fp32_traffic(int64_t n, int64_t world);
 
+// What one rank's phases read and write: `x` (n floats: the bucket, or W shards for the
+// reduce-scatter), `residual` (n floats, or undefined: no error feedback), `owner_residual` (this
+// rank's shard, or undefined), `out` (decode's n floats, may be x; sum_shard's shard), and
+// encode's prescale (unset: 1 / W, the average).
+struct Operands {
+  at::Tensor x, residual, owner_residual, out;
+  std::optional<float> prescale;
+};
+
 class BucketReduction {
  public:
   BucketReduction(const Codec& codec, int64_t world, int64_t rank,
@@ -125,6 +151,10 @@ class BucketReduction {
   bool two_phase() const { return layout_.two_phase; }
   bool wire_sum() const { return layout_.wire_sum; }
   int64_t rank() const { return rank_; }
+  const Codec& codec() const { return codec_; }
+
+  // Runs one phase (a step that is no collective) on `operands`.
+  void compute(Step step, const Operands& operands);
 
   // x: this rank's float32 bucket (n, contiguous). residual: n floats, or undefined (no error
   // feedback). Encodes x * prescale (the all-reduce averages: 1 / W); the residual is in those units.

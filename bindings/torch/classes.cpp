@@ -4,9 +4,12 @@
 //                                                    the registered process group of that name
 //                                                    (and that one for the two-phase all-gathers)
 //   BucketReduction(codec, world, rank, numels, like, cast_sum="wire", exact=[])   one rank's
-//                                                    phases, exchange done by the caller
-//   LowRankReduction(rank, world, numels, rows, like)   one rank's phases of lowrank:R, the
-//                                                    all-reduces done by the caller
+//                                                    phases and buffers; W of them reduced by
+//   gradzip::reduce_in_memory(ranks, xs, residuals, owner_residuals, outs)   the collectives done
+//                                                    in memory (in_memory_exchange.hpp)
+//   LowRankReduction(rank, world, numels, rows, like)   one rank's phases of lowrank:R; W of
+//                                                    them reduced by
+//   gradzip::reduce_lowrank_in_memory(ranks, xs, residuals, qs)   the all-reduces done in memory
 //   NonfiniteGuard()
 // and the layout's sizes as ops (gradzip::bucket_traffic, reduce_scatter_traffic, fp32_traffic,
 // shard_starts, lowrank_sizes; lowrank_rank_of parses a lowrank spec: its R, or 0 for another
@@ -19,6 +22,7 @@
 
 #include "compressed_allreduce.hpp"
 #include "device_codec.hpp"
+#include "in_memory_exchange.hpp"
 
 namespace gradzip::torch_ext {
 namespace {
@@ -32,7 +36,7 @@ Codec parse_spec(const std::string& spec) {
   return guarded("compressed_allreduce", [&] { return Codec::parse(spec); });
 }
 
-// The exchange of a simulated reduction needs the buffers; the computation stays in C++.
+// One rank's reduction; its buffers are readable for tests of the bytes.
 class PyBucketReduction : public torch::CustomClassHolder {
  public:
   PyBucketReduction(const std::string& spec, int64_t world, int64_t rank,
@@ -50,6 +54,46 @@ class PyLowRankReduction : public torch::CustomClassHolder {
       : r(rank, world, numels, rows, like.options()) {}
   LowRankReduction r;
 };
+
+void reduce_in_memory_op(const c10::List<c10::intrusive_ptr<PyBucketReduction>>& ranks,
+                         const std::vector<at::Tensor>& xs,
+                         const c10::List<std::optional<at::Tensor>>& residuals,
+                         const c10::List<std::optional<at::Tensor>>& owner_residuals,
+                         const std::vector<at::Tensor>& outs) {
+  const size_t world = ranks.size();
+  TORCH_CHECK_VALUE(xs.size() == world && residuals.size() == world &&
+                        owner_residuals.size() == world && outs.size() == world,
+                    "gradzip: reduce_in_memory needs one x, residual, owner residual and output "
+                    "per rank, for ", world, " ranks got ", xs.size(), ", ", residuals.size(), ", ",
+                    owner_residuals.size(), " and ", outs.size());
+  std::vector<BucketReduction*> reductions;
+  std::vector<Operands> operands;
+  for (size_t r = 0; r < world; ++r) {
+    reductions.push_back(&ranks.get(r)->r);
+    operands.push_back({xs[r], or_undefined(residuals.get(r)), or_undefined(owner_residuals.get(r)),
+                        outs[r], std::nullopt});
+  }
+  const at::NoGradGuard no_grad;
+  reduce_in_memory(reductions, operands);
+}
+
+void reduce_lowrank_in_memory_op(const c10::List<c10::intrusive_ptr<PyLowRankReduction>>& ranks,
+                                 const std::vector<at::Tensor>& xs,
+                                 const c10::List<std::optional<at::Tensor>>& residuals,
+                                 const std::vector<at::Tensor>& qs) {
+  const size_t world = ranks.size();
+  TORCH_CHECK_VALUE(xs.size() == world && residuals.size() == world && qs.size() == world,
+                    "gradzip: reduce_lowrank_in_memory needs one x, residual and q per rank, for ",
+                    world, " ranks got ", xs.size(), ", ", residuals.size(), " and ", qs.size());
+  std::vector<LowRankReduction*> reductions;
+  std::vector<LowRankOperands> operands;
+  for (size_t r = 0; r < world; ++r) {
+    reductions.push_back(&ranks.get(r)->r);
+    operands.push_back({xs[r], or_undefined(residuals.get(r)), qs[r]});
+  }
+  const at::NoGradGuard no_grad;
+  reduce_in_memory(reductions, operands);
+}
 
 std::vector<int64_t> lowrank_sizes_op(int64_t rank, const std::vector<int64_t>& numels,
                                       const std::vector<int64_t>& rows) {
@@ -131,20 +175,10 @@ TORCH_LIBRARY_FRAGMENT(gradzip, m) {
            })
       .def("check_errors", &CompressedAllreduce::check_errors);
 
-  using LowRank = c10::intrusive_ptr<PyLowRankReduction>;
   m.class_<PyLowRankReduction>("LowRankReduction")
       .def(torch::init<int64_t, int64_t, std::vector<int64_t>, std::vector<int64_t>, at::Tensor>(),
            "", {torch::arg("rank"), torch::arg("world"), torch::arg("numels"), torch::arg("rows"),
-                torch::arg("like")})
-      .def("p", [](const LowRank& s) { return s->r.p; })
-      .def("compute_p", [](const LowRank& s, const at::Tensor& x,
-                           const std::optional<at::Tensor>& residual,
-                           const at::Tensor& q) { s->r.compute_p(x, or_undefined(residual), q); })
-      .def("compute_q", [](const LowRank& s, const at::Tensor& x,
-                           const at::Tensor& q) { s->r.compute_q(x, q); })
-      .def("finish", [](const LowRank& s, const at::Tensor& x,
-                        const std::optional<at::Tensor>& residual,
-                        const at::Tensor& q) { s->r.finish(x, or_undefined(residual), q); });
+                torch::arg("like")});
 
   m.class_<PyBucketReduction>("BucketReduction")
       .def(torch::init<std::string, int64_t, int64_t, std::vector<int64_t>, at::Tensor, std::string,
@@ -154,29 +188,19 @@ TORCH_LIBRARY_FRAGMENT(gradzip, m) {
                 torch::arg("exact") = c10::List<bool>()})
       .def("two_phase", [](const c10::intrusive_ptr<PyBucketReduction>& s) { return s->r.two_phase(); })
       .def("wire_sum", [](const c10::intrusive_ptr<PyBucketReduction>& s) { return s->r.wire_sum(); })
-      .def("payload", [](const c10::intrusive_ptr<PyBucketReduction>& s) { return s->r.payload; })
       .def("encode",
            [](const c10::intrusive_ptr<PyBucketReduction>& s, const at::Tensor& x,
               const std::optional<at::Tensor>& residual) { s->r.encode(x, or_undefined(residual)); })
-      .def("reduce_owner",
-           [](const c10::intrusive_ptr<PyBucketReduction>& s,
-              const std::optional<at::Tensor>& owner_residual) {
-             s->r.reduce_owner(or_undefined(owner_residual));
-           })
-      .def("decode", [](const c10::intrusive_ptr<PyBucketReduction>& s,
-                        const at::Tensor& out) { s->r.decode(out); })
       .def("send", [](const c10::intrusive_ptr<PyBucketReduction>& s) { return s->r.send; })
-      .def("recv", [](const c10::intrusive_ptr<PyBucketReduction>& s) { return s->r.recv; })
       .def("send_splits", [](const c10::intrusive_ptr<PyBucketReduction>& s) { return s->r.send_splits; })
-      .def("gather_in", [](const c10::intrusive_ptr<PyBucketReduction>& s) { return s->r.gather_in; })
-      .def("gathered", [](const c10::intrusive_ptr<PyBucketReduction>& s) { return s->r.gathered; })
-      .def("shard", [](const c10::intrusive_ptr<PyBucketReduction>& s) {
-        const auto& l = s->r.layout();
-        const int64_t rank = s->r.rank();
-        return l.two_phase ? std::vector<int64_t>{l.starts[rank], l.shard_size(rank)}
-                           : std::vector<int64_t>{0, l.n};
-      });
+      .def("gather_in", [](const c10::intrusive_ptr<PyBucketReduction>& s) { return s->r.gather_in; });
 
+  m.def("reduce_in_memory(__torch__.torch.classes.gradzip.BucketReduction[] ranks, Tensor[] xs, "
+        "Tensor(a!)?[] residuals, Tensor(b!)?[] owner_residuals, Tensor(c!)[] outs) -> ()",
+        &reduce_in_memory_op);
+  m.def("reduce_lowrank_in_memory(__torch__.torch.classes.gradzip.LowRankReduction[] ranks, "
+        "Tensor(a!)[] xs, Tensor(b!)?[] residuals, Tensor(c!)[] qs) -> ()",
+        &reduce_lowrank_in_memory_op);
   m.def("bucket_traffic(str spec, int world, int rank, int[] numels, str cast_sum=\"wire\", "
         "bool[] exact=[]) -> int[]",
         &bucket_traffic);

@@ -3,7 +3,9 @@
 #include <ATen/ops/empty.h>
 #include <c10/util/irange.h>
 
+#include <algorithm>
 #include <limits>
+#include <numeric>
 
 #include "device_codec.hpp"
 
@@ -115,54 +117,64 @@ Finish allreduce_average(c10d::ProcessGroup& group, const at::Tensor& x) {
   return [work = group.allreduce(tensors)] { work->wait(); };
 }
 
-// Encodes and starts the first collective; the returned Finish completes the average in x.
-// `parts`: the bucket's reduction, or the consecutive chunks of a CPU cast bucket, each encoded and
-// sent while the previous one travels, and decoded in the same order.
-Finish start(c10d::ProcessGroup& group, c10d::ProcessGroup* gather_group,
-             const CompressedAllreduce::Parts& parts, const at::Tensor& x,
-             const at::Tensor& residual, const at::Tensor& owner_residual) {
-  const std::shared_ptr<BucketReduction>& r = parts[0];
-  if (r->wire_sum()) {
-    // SUM in the wire dtype, in place: the backend gives every rank the same result.
-    std::vector<c10::intrusive_ptr<c10d::Work>> works;
-    int64_t lo = 0;
-    for (const auto& part : parts) {
-      const int64_t n = part->layout().n;
-      part->encode(x.narrow(0, lo, n), residual.defined() ? residual.narrow(0, lo, n) : residual);
-      std::vector<at::Tensor> payload{part->payload};
-      works.push_back(group.allreduce(payload));
-      lo += n;
-    }
-    return [works, parts, x] {
-      int64_t lo = 0;
-      for (size_t i = 0; i < parts.size(); ++i) {
-        const int64_t n = parts[i]->layout().n;
-        works[i]->wait();
-        parts[i]->decode(x.narrow(0, lo, n));
-        lo += n;
-      }
-    };
+// One chunk of a bucket's reduction with its tensors.
+struct Part {
+  std::shared_ptr<BucketReduction> reduction;
+  Operands operands;
+};
+
+// Starts one collective of `r` on `group` (the Step list in bucket_reduction.hpp).
+c10::intrusive_ptr<c10d::Work> issue(c10d::ProcessGroup& group, Step step, BucketReduction& r) {
+  TORCH_CHECK(is_collective(step), "gradzip: a phase is no collective to issue");
+  if (step == Step::allreduce_payload) {
+    std::vector<at::Tensor> payload{r.payload};  // SUM in the wire dtype, in place
+    return group.allreduce(payload);
   }
-  r->encode(x, residual);
-  if (!r->two_phase()) {
-    return [work = group._allgather_base(r->gathered, r->gather_in), r, x] {
-      work->wait();
-      r->decode(x);
-    };
+  if (step == Step::alltoall)
+    return group.alltoall_base(r.recv, r.send, r.recv_splits, r.send_splits);
+  return group._allgather_base(r.gathered, r.gather_in);
+}
+
+// Runs the layout's steps (the same for every part) on this rank: each part's phases up to and
+// including the start of its first collective, part after part, so that a chunk is encoded while
+// the previous one travels; the returned Finish waits for those and runs the rest of each part in
+// the same order. The first collective goes on `group`, a later all-gather on `gather_group` when
+// there is one (so that it overlaps the next bucket's first collective); a later collective left
+// on `group` must be issued in call order, so then the rest runs here at once (empty Finish).
+Finish start(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+             const c10::intrusive_ptr<c10d::ProcessGroup>& gather_group,
+             const std::vector<Part>& parts) {
+  const std::vector<Step>& steps = parts[0].reduction->layout().steps;
+  const auto first = std::find_if(steps.begin(), steps.end(), is_collective);
+  TORCH_CHECK(first != steps.end(), "gradzip: a reduction without a collective");
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  for (const Part& part : parts) {
+    for (auto step = steps.begin(); step != first; ++step)
+      part.reduction->compute(*step, part.operands);
+    works.push_back(issue(*group, *first, *part.reduction));
   }
-  auto exchange = group.alltoall_base(r->recv, r->send, r->recv_splits, r->send_splits);
-  auto second_phase = [r, x, owner_residual](c10d::ProcessGroup& g,
-                                             const c10::intrusive_ptr<c10d::Work>& exchange) {
-    exchange->wait();
-    r->reduce_owner(owner_residual);
-    g._allgather_base(r->gathered, r->gather_in)->wait();
-    r->decode(x);
+  const std::vector<Step> rest(first + 1, steps.end());
+  auto later_group = [group, gather_group](Step step) {
+    return step == Step::allgather && gather_group ? gather_group : group;
   };
-  if (gather_group == nullptr) {  // the all-gather on `group`: issued here, in call order
-    second_phase(group, exchange);
-    return {};
-  }
-  return [second_phase, gather_group, exchange] { second_phase(*gather_group, exchange); };
+  Finish finish = [parts, works, rest, later_group] {
+    for (size_t i = 0; i < parts.size(); ++i) {
+      works[i]->wait();
+      BucketReduction& r = *parts[i].reduction;
+      for (const Step step : rest) {
+        if (is_collective(step))
+          issue(*later_group(step), step, r)->wait();
+        else
+          r.compute(step, parts[i].operands);
+      }
+    }
+  };
+  const bool in_call_order = std::any_of(rest.begin(), rest.end(), [&](Step step) {
+    return is_collective(step) && later_group(step) == group;
+  });
+  if (!in_call_order) return finish;
+  finish();
+  return {};
 }
 
 }  // namespace
@@ -177,6 +189,10 @@ c10::intrusive_ptr<c10::ivalue::Future> CompressedAllreduce::reduce(
                         bucket.device() == x.device(),
                     "gradzip: the bucket and its float32 values must match in size and device");
   compress = compress && world() > 1;
+  TORCH_CHECK_VALUE(!compress || std::accumulate(numels.begin(), numels.end(), int64_t{0}) ==
+                                     x.numel(),
+                    "gradzip: the sizes of the bucket's tensors do not add up to its ", x.numel(),
+                    " elements");
   const Parts parts =
       compress ? bucket_reductions(index, numels, exact, x, Collective::allreduce) : Parts{};
   const std::shared_ptr<BucketReduction> r = compress ? parts[0] : nullptr;
@@ -184,17 +200,23 @@ c10::intrusive_ptr<c10::ivalue::Future> CompressedAllreduce::reduce(
                     "gradzip: an owner residual needs the two-phase sum; ", codec().name(),
                     " buckets are summed by one all-reduce in the wire dtype (cast_sum 'fp32' "
                     "keeps the two-phase sum)");
+  // Casts are element-wise: the chunks of a CPU cast bucket encode to the same values, and the
+  // backend sums each alone.
+  std::vector<Part> chunks;
+  for (int64_t lo = 0; const auto& part : parts) {
+    const int64_t n = part->layout().n;
+    auto slice = [&](const at::Tensor& t) { return t.defined() ? t.narrow(0, lo, n) : t; };
+    chunks.push_back({part, {slice(x), slice(residual), owner_residual, slice(x), std::nullopt}});
+    lo += n;
+  }
   const bool copy_back = !bucket.is_same(x);
   // The gather group is used on the CPU only: on CUDA everything is enqueued in call order.
-  c10d::ProcessGroup* gather = x.is_cuda() ? nullptr : gather_group_.get();
-  return launch(index, bucket, r, [group = group_, gather_group = gather_group_, gather,
-                                   guard = guard_, parts, bucket, x, residual, owner_residual,
-                                   copy_back]() -> Finish {
-    if (guard && !parts.empty()) guard->save({residual, owner_residual});
-    Finish rest = !parts.empty() ? start(*group, gather, parts, x, residual, owner_residual)
-                    : allreduce_average(*group, x);
-    // gather_group: kept alive by the capture while `gather` may be used.
-    return [rest, gather_group, guard, bucket, x, copy_back] {
+  auto gather = x.is_cuda() ? c10::intrusive_ptr<c10d::ProcessGroup>() : gather_group_;
+  return launch(index, bucket, r, [group = group_, gather, guard = guard_, chunks, bucket, x,
+                                   residual, owner_residual, copy_back]() -> Finish {
+    if (guard && !chunks.empty()) guard->save({residual, owner_residual});
+    Finish rest = !chunks.empty() ? start(group, gather, chunks) : allreduce_average(*group, x);
+    return [rest, guard, bucket, x, copy_back] {
       if (rest) rest();
       if (guard) guard->flag(x);
       if (copy_back) bucket.copy_(x);
@@ -215,19 +237,30 @@ c10::intrusive_ptr<c10::ivalue::Future> CompressedAllreduce::reduce_lowrank(
     cached = {numels, rows,
               std::make_shared<LowRankReduction>(*lowrank_, world(), numels, rows, x.options())};
   const bool copy_back = !bucket.is_same(x);
+  const LowRankOperands operands{x, residual, q};
   return launch(index, bucket, nullptr, [group = group_, guard = guard_, r = cached.reduction,
-                                         bucket, x, residual, q, copy_back]() -> Finish {
-    if (guard) guard->save({residual, q});
-    r->compute_p(x, residual, q);
-    std::vector<at::Tensor> p{r->p};
-    group->allreduce(p)->wait();
-    r->compute_q(x, q);
-    std::vector<at::Tensor> qs{q};
-    return [work = group->allreduce(qs), guard, r, bucket, x, residual, q, copy_back] {
+                                         bucket, operands, copy_back]() -> Finish {
+    if (guard) guard->save({operands.residual, operands.q});
+    auto allreduce = [&](LowRankStep step) {
+      std::vector<at::Tensor> summed{r->summed(step, operands)};
+      return group->allreduce(summed);
+    };
+    // Every step up to the start of the last all-reduce here (an all-reduce before it waited for:
+    // the next one is issued on the same group, in call order), the rest once that completes.
+    const std::vector<LowRankStep>& steps = LowRankReduction::steps();
+    const auto last = std::find_if(steps.rbegin(), steps.rend(), is_allreduce).base() - 1;
+    for (auto step = steps.begin(); step != last; ++step) {
+      if (is_allreduce(*step))
+        allreduce(*step)->wait();
+      else
+        r->compute(*step, operands);
+    }
+    return [work = allreduce(*last), rest = std::vector<LowRankStep>(last + 1, steps.end()), guard,
+            r, bucket, operands, copy_back] {
       work->wait();
-      r->finish(x, residual, q);
-      if (guard) guard->flag(x);
-      if (copy_back) bucket.copy_(x);
+      for (const LowRankStep step : rest) r->compute(step, operands);
+      if (guard) guard->flag(operands.x);
+      if (copy_back) bucket.copy_(operands.x);
     };
   });
 }
@@ -245,14 +278,12 @@ c10::intrusive_ptr<c10::ivalue::Future> CompressedAllreduce::reduce_scatter(
       bucket_reductions(index, numels, exact, x, Collective::reduce_scatter)[0];
   // The sum is fp32; an output of another dtype receives it rounded once.
   const at::Tensor sum = output.scalar_type() == at::kFloat ? output : output.to(at::kFloat);
-  return launch(index, output, r, [group = group_, guard = guard_, r, output, sum, x, residual,
-                                   prescale]() -> Finish {
+  const std::vector<Part> parts{{r, {x, residual, {}, sum, static_cast<float>(prescale)}}};
+  return launch(index, output, r, [group = group_, guard = guard_, parts, output, sum,
+                                   residual]() -> Finish {
     if (guard) guard->save({residual});
-    r->encode(x, residual, static_cast<float>(prescale));
-    return [work = group->alltoall_base(r->recv, r->send, r->recv_splits, r->send_splits), guard,
-            r, output, sum] {
-      work->wait();
-      r->sum_shard(sum);
+    return [rest = start(group, {}, parts), guard, output, sum] {
+      if (rest) rest();
       if (guard) guard->flag(sum);
       if (!sum.is_same(output)) output.copy_(sum);
     };

@@ -7,8 +7,11 @@
 //   at::Tensor residual = at::zeros_like(grad);
 //   reduce.reduce(0, grad, grad, {grad.numel()}, residual, {}, true)->wait();  // grad averaged
 //
-// One object per model (per process group). reduce() returns at once with a Future of the bucket
-// (a one-tensor list, as c10d's collectives); the bucket holds the average when it completes.
+// One object per model (per process group). It runs the steps of a bucket's reduction in their
+// order (BucketLayout::steps, LowRankReduction::steps), each collective as the group's; the W ranks
+// of the simulation run the same steps in memory (in_memory_exchange.hpp). reduce() returns at
+// once with a Future of the bucket (a one-tensor list, as c10d's collectives); the bucket holds
+// the average when it completes.
 //   * CPU tensors: two threads of their own form a pipeline. The issuing thread encodes a bucket
 //     and starts its first collective without waiting for it, bucket after bucket in call order,
 //     so that every rank issues its collectives in the same order (the backend matches them by

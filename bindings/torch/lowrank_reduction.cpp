@@ -99,6 +99,46 @@ LowRankReduction::LowRankReduction(int64_t rank, int64_t world, const std::vecto
   p = at::empty({p_numel}, options.dtype(at::kFloat));
 }
 
+bool is_allreduce(LowRankStep step) {
+  return step == LowRankStep::allreduce_p || step == LowRankStep::allreduce_q;
+}
+
+const std::vector<LowRankStep>& LowRankReduction::steps() {
+  using enum LowRankStep;
+  static const std::vector<LowRankStep> order{compute_p, allreduce_p, compute_q, allreduce_q,
+                                              finish};
+  return order;
+}
+
+void LowRankReduction::compute(LowRankStep step, const LowRankOperands& operands) {
+  const auto& [x, residual, q] = operands;
+  switch (step) {
+    case LowRankStep::compute_p:
+      compute_p(x, residual, q);
+      return;
+    case LowRankStep::compute_q:
+      compute_q(x, q);
+      return;
+    case LowRankStep::finish:
+      finish(x, residual, q);
+      return;
+    case LowRankStep::allreduce_p:
+    case LowRankStep::allreduce_q:
+      break;
+  }
+  TORCH_CHECK(false, "gradzip: lowrank: an all-reduce is the driver's to run, not a phase");
+}
+
+bool LowRankReduction::same_layout(const LowRankReduction& other) const {
+  return world_ == other.world_ && n_ == other.n_ && q_numel_ == other.q_numel_ &&
+         pieces_ == other.pieces_;
+}
+
+at::Tensor LowRankReduction::summed(LowRankStep step, const LowRankOperands& operands) const {
+  TORCH_CHECK(is_allreduce(step), "gradzip: lowrank: a phase sums no buffer");
+  return step == LowRankStep::allreduce_p ? p : operands.q;
+}
+
 at::Tensor LowRankReduction::matrix(const at::Tensor& x, const Piece& piece) const {
   return x.narrow(0, piece.offset, piece.rows * piece.cols).view({piece.rows, piece.cols});
 }

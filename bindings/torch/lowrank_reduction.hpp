@@ -1,6 +1,7 @@
 // One rank's part of the low-rank (PowerSGD) average of one flat float32 bucket, "lowrank:R", cut
 // into the phases between its two all-reduces, so that a process group (compressed_allreduce.hpp)
-// and W ranks simulated in one process (gradzip.ddp.SimulatedWorkers) run the same arithmetic.
+// and W ranks simulated in one process (in_memory_exchange.hpp, behind
+// gradzip.simulation.SimulatedWorkers) run the same arithmetic.
 //
 // Each tensor of the bucket is a matrix M (rows = its first dimension, cols = the rest), with
 // M = x / W + residual (error feedback in the units of the average). Per step:
@@ -14,6 +15,8 @@
 //               the uncompressed tensors take the tail of p.
 // One bucket is exactly two all-reduces, whatever its tensors. P and Q of each tensor are views of
 // the flat buffers written by at::mm_out: tensors of one shape are never stacked into a copy.
+// That order is written once, as data (LowRankReduction::steps), which each driver interprets: a
+// process group (compressed_allreduce.hpp) and W ranks in one process (in_memory_exchange.hpp).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -38,11 +41,33 @@ int64_t lowrank_rank(int64_t rows, int64_t cols, int64_t rank);
 std::pair<int64_t, int64_t> lowrank_sizes(int64_t rank, const std::vector<int64_t>& numels,
                                           const std::vector<int64_t>& rows);
 
+// The steps of one rank's reduction, the list above: three phases and the two all-reduces (SUM in
+// place of LowRankReduction::summed) between them.
+enum class LowRankStep { compute_p, allreduce_p, compute_q, allreduce_q, finish };
+bool is_allreduce(LowRankStep step);
+
+// What one rank's phases read and write (see compute_p).
+struct LowRankOperands {
+  at::Tensor x, residual, q;
+};
+
 class LowRankReduction {
  public:
   LowRankReduction(int64_t rank, int64_t world, const std::vector<int64_t>& numels,
                    const std::vector<int64_t>& rows, const at::TensorOptions& options);
 
+  static const std::vector<LowRankStep>& steps();
+  // Runs one phase (a step that is no all-reduce) on `operands`.
+  void compute(LowRankStep step, const LowRankOperands& operands);
+  // The buffer an all-reduce step sums in place: p, or the caller's q.
+  at::Tensor summed(LowRankStep step, const LowRankOperands& operands) const;
+  int64_t world() const { return world_; }
+  // Whether `other` reduces a bucket of the same tensors over the same world (its rank's peer).
+  bool same_layout(const LowRankReduction& other) const;
+
+  at::Tensor p;  // the first all-reduced buffer; q, the second, is the caller's state
+
+ private:
   // x: the bucket's float32 values (left holding M after compute_p, the average after finish);
   // residual: numel of x, or undefined (no error feedback); q: this bucket's Q factors
   // (lowrank_sizes().second elements), identical on every rank.
@@ -50,12 +75,11 @@ class LowRankReduction {
   void compute_q(const at::Tensor& x, const at::Tensor& q);
   void finish(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& q);
 
-  at::Tensor p;  // the first all-reduced buffer; q, the second, is the caller's state
-
- private:
   struct Piece {
     int64_t offset, rows, cols, rank;  // rank 0: sent uncompressed in p's tail at p_offset
     int64_t p_offset, q_offset;
+
+    bool operator==(const Piece&) const = default;
   };
   at::Tensor matrix(const at::Tensor& x, const Piece& piece) const;
   at::Tensor p_factor(const Piece& piece) const;

@@ -1,14 +1,16 @@
-"""W ranks in one process: :class:`SimulatedWorkers` runs the DDP hook's C++ phases for W workers,
-doing each exchange in memory by copying bytes, so that its result equals the multi-rank hook bit
-for bit, except where the backend sums: the casts' one all-reduce (``cast_sum="wire"``; equal to
-the wire dtype's rounding of a W-term sum, see :func:`run_simulated`) and warm-up and small
+"""W ranks in one process: :class:`SimulatedWorkers` runs the DDP hook's C++ reduction for W
+workers, its steps in the order the hook's C++ driver runs them, each exchange done in memory by
+copying bytes (``torch.ops.gradzip.reduce_in_memory``, ``bindings/torch/in_memory_exchange.hpp``),
+so that its result equals the multi-rank hook bit for bit, except where the backend sums: the
+casts' one all-reduce (``cast_sum="wire"``; simulated as the fp32 sum of the W payloads in rank
+order rounded once, equal to the wire dtype's rounding of a W-term sum) and warm-up and small
 buckets (a plain fp32 all-reduce; equal to fp32 rounding).
 """
 
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Sequence
+from typing import List, Optional
 
 import torch
 
@@ -23,7 +25,9 @@ __all__ = ["SimulatedWorkers"]
 
 class SimulatedWorkers(Reporting):
     """W workers in one process, each with its own error-feedback state, reduced with exactly the
-    arithmetic of :func:`compress_hook` (the same C++ phases; the collectives done in memory).
+    arithmetic of :func:`compress_hook` (the same C++ phases in the same order, written once in
+    C++; the collectives done in memory by ``torch.ops.gradzip.reduce_in_memory`` /
+    ``reduce_lowrank_in_memory``).
 
         sim = SimulatedWorkers("int8", world_size=4)
         avg = sim.reduce([g0, g1, g2, g3])   # what every rank's bucket holds after the hook
@@ -109,14 +113,17 @@ class SimulatedWorkers(Reporting):
                 out.clone() for _ in range(world - 1)]
         elif bucket.lowrank:
             outs = [f.clone() for f in flats]  # reduced in place; flats may be the caller's grads
-            run_simulated_lowrank(
+            torch.ops.gradzip.reduce_lowrank_in_memory(
                 self._lowrank_reductions(bucket_index, bucket.numels, bucket.rows, flats[0]),
-                outs, states)
+                outs, [st.residual for st in states], [st.q for st in states])
         else:
             outs = [torch.empty_like(f) for f in flats]
-            run_simulated(self._bucket_reductions(bucket.plan, bucket_index, bucket.numels,
-                                                  bucket.exact, flats[0]),
-                          flats, [bucket.feedback(st) for st in states], outs)
+            feedback = [bucket.feedback(st) for st in states]
+            torch.ops.gradzip.reduce_in_memory(
+                self._bucket_reductions(bucket.plan, bucket_index, bucket.numels, bucket.exact,
+                                        flats[0]),
+                flats, [None if st is None else st.residual for st in feedback],
+                [None if st is None else st.owner_residual for st in feedback], outs)
         for o, st, sel, g in zip(outs, states, selected, self._guards):
             bucket.receive(o, st, sel, g)
         if is_last:
@@ -159,60 +166,3 @@ class SimulatedWorkers(Reporting):
         self.step = int(state["step"])
         for store, d in zip(self._ef, state["workers"]):
             store.load_state_dict(d)
-
-
-def run_simulated(reductions: Sequence, xs: Sequence[torch.Tensor], states: Sequence,
-                  outs: Sequence[torch.Tensor]) -> None:
-    """Runs one C++ BucketReduction per rank through its phases, doing each collective in memory:
-    the all-to-all sends rank i's shard j to rank j, the all-gather concatenates in rank order.
-
-    The casts' one all-reduce (wire_sum) is simulated as the fp32 sum of the W payloads in rank
-    order, rounded once to the wire dtype. The backends sum in the wire dtype in an order of their
-    own (Gloo and NCCL differ, and so do the elements of one bucket), so there the simulation
-    equals the hook only to the wire dtype's rounding of a W-term sum; the residuals, which each
-    rank forms from its own payload, are equal bit for bit."""
-    world = len(reductions)
-    for red, x, st in zip(reductions, xs, states):
-        red.encode(x, None if st is None else st.residual)
-    if reductions[0].wire_sum():
-        total = torch.zeros_like(reductions[0].payload(), dtype=torch.float32)
-        for red in reductions:
-            total += red.payload()
-        for red, out in zip(reductions, outs):
-            red.payload().copy_(total)
-            red.decode(out)
-        return
-    if reductions[0].two_phase():
-        # per rank: its send buffer cut into the bytes for each destination
-        sent = [red.send().split(red.send_splits()) for red in reductions]
-        for r, red in enumerate(reductions):
-            red.recv().copy_(torch.cat([sent[i][r] for i in range(world)]))
-        for red, st in zip(reductions, states):
-            red.reduce_owner(None if st is None else st.owner_residual)
-    gathered = torch.cat([red.gather_in() for red in reductions])
-    for red, out in zip(reductions, outs):
-        red.gathered().copy_(gathered)
-        red.decode(out)
-
-
-def run_simulated_lowrank(reductions: Sequence, xs: Sequence[torch.Tensor], states: Sequence) -> None:
-    """Runs one C++ LowRankReduction per rank through its phases, each all-reduce done as the sum
-    of the W buffers in rank order: at W = 2 what every backend computes (a + b commutes), above it
-    equal to fp32 rounding (the backend's summation order is its own). ``xs`` are overwritten with
-    the average."""
-    for red, x, st in zip(reductions, xs, states):
-        red.compute_p(x, st.residual, st.q)
-    _sum_in_place([red.p() for red in reductions])
-    for red, x, st in zip(reductions, xs, states):
-        red.compute_q(x, st.q)
-    _sum_in_place([st.q for st in states])
-    for red, x, st in zip(reductions, xs, states):
-        red.finish(x, st.residual, st.q)
-
-
-def _sum_in_place(buffers: Sequence[torch.Tensor]) -> None:
-    total = torch.zeros_like(buffers[0])
-    for b in buffers:
-        total += b
-    for b in buffers:
-        b.copy_(total)

@@ -11,9 +11,9 @@
 //                                                    them reduced by
 //   gradzip::reduce_lowrank_in_memory(ranks, xs, residuals, qs)   the all-reduces done in memory
 //   NonfiniteGuard()
-// and the layout's sizes as ops (gradzip::fp32_traffic, shard_starts, lowrank_sizes; lowrank_rank_of
-// parses a lowrank spec: its R, or 0 for another codec). Each reduction reports the bytes of what
-// it lays out: traffic() -> (sent, received), of a bucket index's last reduction for
+// and the layout's sizes as ops (gradzip::fp32_traffic, shard_starts, lowrank_sizes;
+// lowrank_rank_of parses a lowrank spec: its R, or 0 for another codec). Each reduction reports the
+// bytes of what it lays out: traffic() -> (sent, received), of a bucket index's last reduction for
 // CompressedAllreduce, of its rank for BucketReduction and LowRankReduction.
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/custom_class.h>

@@ -156,8 +156,8 @@ class CompressedAllreduce : public torch::CustomClassHolder {
   // A bucket's reductions, built at its first call and reused while its layout stays: one, or the
   // chunks of kCastChunk elements of a CPU cast bucket summed on the wire (reduce-scatter: one).
   const Cached& bucket_reductions(int64_t index, const std::vector<int64_t>& numels,
-                                 const std::vector<bool>& exact, const at::Tensor& x,
-                                 Collective collective);
+                                  const std::vector<bool>& exact, const at::Tensor& x,
+                                  Collective collective);
   // Runs `body` (a reduction that starts its collectives and returns what remains to leave its
   // value in `result`; neither captures `this`) on the issuing thread and its Finish on the
   // finishing thread, or both at once on the CUDA stream (then watches r's decodes); returns the

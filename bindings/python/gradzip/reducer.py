@@ -167,8 +167,7 @@ class ReducerConfig:
         sent = None if selected_from is None else st.residual.abs() < 0.5 * selected_from.abs()
         self.direction.finish_(avg, st.moments, st.updates, self.warmup_steps, compressed, sent)
 
-    def begin_bucket(self, step: int, layout, world: int,
-                     reduction_guards: bool) -> "BucketStep":
+    def begin_bucket(self, step: int, layout, world: int, reduction_guards: bool) -> "BucketStep":
         """How one bucket (of ``layout``) travels at ``step``; see :class:`BucketStep`."""
         return BucketStep(self, step, layout, world, reduction_guards)
 
@@ -218,7 +217,6 @@ class BucketStep:
         self.config.finish_direction(avg, st, self.compressed, selected)
         if guard is not None and not self.reduction_guards:
             guard.flag(avg)
-
 
     def count(self, stats: TrafficStats, traffic) -> None:
         """Adds this bucket to ``stats``: ``traffic``, the (sent, received) bytes its reduction

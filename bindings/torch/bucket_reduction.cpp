@@ -129,19 +129,36 @@ BucketLayout::BucketLayout(const Codec& codec, int64_t world_, const std::vector
     slot = *std::max_element(shard_bytes.begin(), shard_bytes.end());
 }
 
-std::pair<int64_t, int64_t> BucketLayout::traffic(int64_t rank) const {
-  if (world == 1) return {0, 0};
-  if (wire_sum) {
-    const int64_t bytes = ring_allreduce_traffic(summed_bytes, world);
-    return {bytes, bytes};
+std::pair<int64_t, int64_t> BucketLayout::traffic(Step step, int64_t rank) const {
+  TORCH_CHECK_VALUE(rank >= 0 && rank < world, "gradzip: rank ", rank, " outside [0, ", world, ")");
+  switch (step) {
+    case Step::allreduce_payload: {
+      const int64_t bytes = ring_allreduce_traffic(summed_bytes, world);
+      return {bytes, bytes};
+    }
+    case Step::alltoall: {  // every shard but its own out, W encodings of its own in
+      const int64_t all = std::accumulate(shard_bytes.begin(), shard_bytes.end(), int64_t{0});
+      return {all - shard_bytes[rank], (world - 1) * shard_bytes[rank]};
+    }
+    case Step::allgather:
+      return {(world - 1) * slot, (world - 1) * slot};
+    case Step::encode:
+    case Step::reduce_owner:
+    case Step::decode:
+    case Step::sum_shard:
+      break;
   }
-  if (!two_phase) return {(world - 1) * slot, (world - 1) * slot};
-  const int64_t all = std::accumulate(shard_bytes.begin(), shard_bytes.end(), int64_t{0});
-  if (collective == Collective::reduce_scatter)
-    return {all - shard_bytes[rank], (world - 1) * shard_bytes[rank]};
-  const int64_t sent = all - shard_bytes[rank] + (world - 1) * slot;
-  const int64_t received = (world - 1) * shard_bytes[rank] + (world - 1) * slot;
-  return {sent, received};
+  return {0, 0};  // a phase: computed at home
+}
+
+std::pair<int64_t, int64_t> BucketLayout::traffic(int64_t rank) const {
+  std::pair<int64_t, int64_t> sum{0, 0};
+  for (const Step step : steps) {
+    const auto [sent, received] = traffic(step, rank);
+    sum.first += sent;
+    sum.second += received;
+  }
+  return sum;
 }
 
 std::vector<int64_t> shard_starts(int64_t n, int64_t world) {

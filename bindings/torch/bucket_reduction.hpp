@@ -4,6 +4,9 @@
 // the same arithmetic on the same bytes. The order of the phases and collectives, the sequences
 // below, is written once, as data (BucketLayout::steps, a list of Step), which each of those two
 // drivers interprets: the phases through BucketReduction::compute, the collectives its own way.
+// The bytes a rank moves are that list's too (BucketLayout::traffic, per collective step), which the
+// reductions report (CompressedAllreduce::traffic, BucketReduction's torch class) for the traffic
+// counters.
 //
 // The casts (fp32, fp16, bf16) by default (CastSum::wire):
 //   encode        the whole bucket is encoded as one message (prescale 1/W, error feedback into
@@ -118,7 +121,12 @@ struct BucketLayout {
   bool operator==(const BucketLayout&) const = default;
 
   int64_t shard_size(int64_t rank) const { return starts[rank + 1] - starts[rank]; }
-  // Bytes one rank sends and receives for this bucket (an uncompressed bucket: see fp32_traffic).
+  // Bytes (sent, received) of one rank in collective `step` of `steps` ((0, 0) for a phase): an
+  // all-reduce counted as a ring all-reduce, an all-to-all and an all-gather by their splits and
+  // slots (the padding of the slots included: it travels).
+  std::pair<int64_t, int64_t> traffic(Step step, int64_t rank) const;
+  // Bytes (sent, received) of one rank for this bucket: the sum over `steps` (an uncompressed
+  // bucket: see fp32_traffic).
   std::pair<int64_t, int64_t> traffic(int64_t rank) const;
 };
 

@@ -11,14 +11,17 @@
 //                                                    them reduced by
 //   gradzip::reduce_lowrank_in_memory(ranks, xs, residuals, qs)   the all-reduces done in memory
 //   NonfiniteGuard()
-// and the layout's sizes as ops (gradzip::bucket_traffic, reduce_scatter_traffic, fp32_traffic,
-// shard_starts, lowrank_sizes; lowrank_rank_of parses a lowrank spec: its R, or 0 for another
-// codec).
+// and the layout's sizes as ops (gradzip::fp32_traffic, shard_starts, lowrank_sizes;
+// lowrank_rank_of parses a lowrank spec: its R, or 0 for another codec). Each reduction reports the
+// bytes of what it lays out: traffic() -> (sent, received), of a bucket index's last reduction for
+// CompressedAllreduce, of its rank for BucketReduction and LowRankReduction.
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <optional>
+#include <tuple>
+#include <utility>
 
 #include "compressed_allreduce.hpp"
 #include "device_codec.hpp"
@@ -103,27 +106,9 @@ std::vector<int64_t> lowrank_sizes_op(int64_t rank, const std::vector<int64_t>& 
 
 int64_t lowrank_rank_of(const std::string& spec) { return parse_lowrank(spec).value_or(0); }
 
-std::vector<int64_t> traffic_of(const std::string& spec, int64_t world, int64_t rank,
-                                const std::vector<int64_t>& numels, Collective collective,
-                                CastSum cast_sum, const std::vector<bool>& exact) {
-  const BucketLayout layout(parse_spec(spec), world, numels, collective, cast_sum, exact);
-  TORCH_CHECK_VALUE(rank >= 0 && rank < world, "gradzip: rank ", rank, " outside [0, ", world, ")");
-  const auto [sent, received] = layout.traffic(rank);
-  return {sent, received};
-}
-
-std::vector<int64_t> bucket_traffic(const std::string& spec, int64_t world, int64_t rank,
-                                    const std::vector<int64_t>& numels,
-                                    const std::string& cast_sum, const c10::List<bool>& exact) {
-  return traffic_of(spec, world, rank, numels, Collective::allreduce, parse_cast_sum(cast_sum),
-                    flags(exact));
-}
-
-std::vector<int64_t> reduce_scatter_traffic(const std::string& spec, int64_t world, int64_t rank,
-                                            const std::vector<int64_t>& numels,
-                                            const c10::List<bool>& exact) {
-  return traffic_of(spec, world, rank, numels, Collective::reduce_scatter, CastSum::fp32,
-                    flags(exact));
+// TorchScript returns a tuple, not a pair.
+std::tuple<int64_t, int64_t> sent_received(const std::pair<int64_t, int64_t>& traffic) {
+  return {traffic.first, traffic.second};
 }
 
 }  // namespace
@@ -173,12 +158,18 @@ TORCH_LIBRARY_FRAGMENT(gradzip, m) {
               const at::Tensor& q) -> c10::IValue {
              return self->reduce_lowrank(index, bucket, x, numels, rows, or_undefined(residual), q);
            })
-      .def("check_errors", &CompressedAllreduce::check_errors);
+      .def("check_errors", &CompressedAllreduce::check_errors)
+      .def("traffic", [](const c10::intrusive_ptr<CompressedAllreduce>& self, int64_t index) {
+        return sent_received(self->traffic(index));
+      });
 
   m.class_<PyLowRankReduction>("LowRankReduction")
       .def(torch::init<int64_t, int64_t, std::vector<int64_t>, std::vector<int64_t>, at::Tensor>(),
            "", {torch::arg("rank"), torch::arg("world"), torch::arg("numels"), torch::arg("rows"),
-                torch::arg("like")});
+                torch::arg("like")})
+      .def("traffic", [](const c10::intrusive_ptr<PyLowRankReduction>& s) {
+        return sent_received(s->r.traffic());
+      });
 
   m.class_<PyBucketReduction>("BucketReduction")
       .def(torch::init<std::string, int64_t, int64_t, std::vector<int64_t>, at::Tensor, std::string,
@@ -193,7 +184,10 @@ TORCH_LIBRARY_FRAGMENT(gradzip, m) {
               const std::optional<at::Tensor>& residual) { s->r.encode(x, or_undefined(residual)); })
       .def("send", [](const c10::intrusive_ptr<PyBucketReduction>& s) { return s->r.send; })
       .def("send_splits", [](const c10::intrusive_ptr<PyBucketReduction>& s) { return s->r.send_splits; })
-      .def("gather_in", [](const c10::intrusive_ptr<PyBucketReduction>& s) { return s->r.gather_in; });
+      .def("gather_in", [](const c10::intrusive_ptr<PyBucketReduction>& s) { return s->r.gather_in; })
+      .def("traffic", [](const c10::intrusive_ptr<PyBucketReduction>& s) {
+        return sent_received(s->r.layout().traffic(s->r.rank()));
+      });
 
   m.def("reduce_in_memory(__torch__.torch.classes.gradzip.BucketReduction[] ranks, Tensor[] xs, "
         "Tensor(a!)?[] residuals, Tensor(b!)?[] owner_residuals, Tensor(c!)[] outs) -> ()",
@@ -201,12 +195,6 @@ TORCH_LIBRARY_FRAGMENT(gradzip, m) {
   m.def("reduce_lowrank_in_memory(__torch__.torch.classes.gradzip.LowRankReduction[] ranks, "
         "Tensor(a!)[] xs, Tensor(b!)?[] residuals, Tensor(c!)[] qs) -> ()",
         &reduce_lowrank_in_memory_op);
-  m.def("bucket_traffic(str spec, int world, int rank, int[] numels, str cast_sum=\"wire\", "
-        "bool[] exact=[]) -> int[]",
-        &bucket_traffic);
-  m.def("reduce_scatter_traffic(str spec, int world, int rank, int[] numels, bool[] exact=[]) "
-        "-> int[]",
-        &reduce_scatter_traffic);
   m.def("fp32_traffic(int n, int world) -> int", &fp32_traffic);
   m.def("shard_starts(int n, int world) -> int[]", &shard_starts);
   m.def("lowrank_sizes(int rank, int[] numels, int[] rows) -> int[]", &lowrank_sizes_op);

@@ -82,14 +82,14 @@ const Codec& CompressedAllreduce::codec() const {
   return *codec_;
 }
 
-const CompressedAllreduce::Parts& CompressedAllreduce::bucket_reductions(
+const CompressedAllreduce::Cached& CompressedAllreduce::bucket_reductions(
     int64_t index, const std::vector<int64_t>& numels, const std::vector<bool>& exact,
     const at::Tensor& x, Collective collective) {
   auto& cached = buckets_[index];
   if (!cached.parts.empty() && cached.numels == numels && cached.exact == exact &&
       cached.parts[0]->layout().collective == collective &&
       cached.parts[0]->gathered.device() == x.device())
-    return cached.parts;
+    return cached;
   const BucketLayout whole(codec(), world(), numels, collective, cast_sum_, exact);
   Parts parts;
   if (whole.wire_sum && !x.is_cuda()) {
@@ -102,8 +102,8 @@ const CompressedAllreduce::Parts& CompressedAllreduce::bucket_reductions(
     parts.push_back(std::make_shared<BucketReduction>(codec(), world(), rank(), numels,
                                                       x.options(), collective, cast_sum_, exact));
   }
-  cached = {numels, exact, std::move(parts)};
-  return cached.parts;
+  cached = {numels, exact, std::move(parts), whole.traffic(rank())};
+  return cached;
 }
 
 namespace {
@@ -193,8 +193,9 @@ c10::intrusive_ptr<c10::ivalue::Future> CompressedAllreduce::reduce(
                                      x.numel(),
                     "gradzip: the sizes of the bucket's tensors do not add up to its ", x.numel(),
                     " elements");
-  const Parts parts =
-      compress ? bucket_reductions(index, numels, exact, x, Collective::allreduce) : Parts{};
+  const Cached* cached =
+      compress ? &bucket_reductions(index, numels, exact, x, Collective::allreduce) : nullptr;
+  const Parts parts = cached ? cached->parts : Parts{};
   const std::shared_ptr<BucketReduction> r = compress ? parts[0] : nullptr;
   TORCH_CHECK_VALUE(!owner_residual.defined() || !r || !r->wire_sum(),
                     "gradzip: an owner residual needs the two-phase sum; ", codec().name(),
@@ -209,6 +210,9 @@ c10::intrusive_ptr<c10::ivalue::Future> CompressedAllreduce::reduce(
     chunks.push_back({part, {slice(x), slice(residual), owner_residual, slice(x), std::nullopt}});
     lo += n;
   }
+  // Uncompressed: counted as the fp32 ring all-reduce whatever x's dtype, as the reference is.
+  const int64_t fp32 = fp32_traffic(x.numel(), world());
+  traffic_[index] = cached ? cached->traffic : std::pair{fp32, fp32};
   const bool copy_back = !bucket.is_same(x);
   // The gather group is used on the CPU only: on CUDA everything is enqueued in call order.
   auto gather = x.is_cuda() ? c10::intrusive_ptr<c10d::ProcessGroup>() : gather_group_;
@@ -236,6 +240,7 @@ c10::intrusive_ptr<c10::ivalue::Future> CompressedAllreduce::reduce_lowrank(
       cached.reduction->p.device() != x.device())
     cached = {numels, rows,
               std::make_shared<LowRankReduction>(*lowrank_, world(), numels, rows, x.options())};
+  traffic_[index] = cached.reduction->traffic();
   const bool copy_back = !bucket.is_same(x);
   const LowRankOperands operands{x, residual, q};
   return launch(index, bucket, nullptr, [group = group_, guard = guard_, r = cached.reduction,
@@ -274,8 +279,9 @@ c10::intrusive_ptr<c10::ivalue::Future> CompressedAllreduce::reduce_scatter(
                     "gradzip: reduce_scatter needs a contiguous input of world size (", world(),
                     ") times the output's ", output.numel(), " elements on its device, got ",
                     x.numel(), " elements");
-  const std::shared_ptr<BucketReduction> r =
-      bucket_reductions(index, numels, exact, x, Collective::reduce_scatter)[0];
+  const Cached& cached = bucket_reductions(index, numels, exact, x, Collective::reduce_scatter);
+  const std::shared_ptr<BucketReduction> r = cached.parts[0];
+  traffic_[index] = cached.traffic;
   // The sum is fp32; an output of another dtype receives it rounded once.
   const at::Tensor sum = output.scalar_type() == at::kFloat ? output : output.to(at::kFloat);
   const std::vector<Part> parts{{r, {x, residual, {}, sum, static_cast<float>(prescale)}}};
@@ -356,6 +362,13 @@ void CompressedAllreduce::watch_decodes(const BucketReduction& r, const at::Tens
 #else
   (void)r, (void)result, (void)index;
 #endif
+}
+
+std::pair<int64_t, int64_t> CompressedAllreduce::traffic(int64_t index) const {
+  const auto it = traffic_.find(index);
+  TORCH_CHECK_VALUE(it != traffic_.end(), "gradzip: bucket ", index,
+                    " was never reduced by this CompressedAllreduce: no traffic to report");
+  return it->second;
 }
 
 void CompressedAllreduce::check_errors() {

@@ -43,6 +43,7 @@
 #include <optional>
 #include <thread>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "bucket_reduction.hpp"
@@ -109,6 +110,12 @@ class CompressedAllreduce : public torch::CustomClassHolder {
   // has completed; later ones are checked at a later call). CPU errors reach the Future instead.
   void check_errors();
 
+  // Bytes (sent, received) this rank moves in the last reduction of bucket `index` started by
+  // reduce, reduce_lowrank or reduce_scatter (known once that call returns): those of the layout
+  // it runs (BucketLayout::traffic, LowRankReduction::traffic), or of an fp32 ring all-reduce for
+  // an uncompressed bucket (fp32_traffic). A ValueError for an index never reduced.
+  std::pair<int64_t, int64_t> traffic(int64_t index) const;
+
   // A bucket's reduction, or the consecutive chunks it is sent in (see bucket_reductions).
   using Parts = std::vector<std::shared_ptr<BucketReduction>>;
   // Elements per chunk of a CPU cast bucket: small enough that the encode of the next chunk and
@@ -138,11 +145,19 @@ class CompressedAllreduce : public torch::CustomClassHolder {
   static void stop(const std::shared_ptr<Queue>& queue);
   static void serve(const std::shared_ptr<Queue>& queue);
 
+  struct Cached {
+    std::vector<int64_t> numels;
+    std::vector<bool> exact;
+    Parts parts;
+    // The whole bucket's: its chunks count as the one all-reduce they are cut from, so that the
+    // bytes do not depend on the device (CUDA buckets are not chunked).
+    std::pair<int64_t, int64_t> traffic;
+  };
   // A bucket's reductions, built at its first call and reused while its layout stays: one, or the
   // chunks of kCastChunk elements of a CPU cast bucket summed on the wire (reduce-scatter: one).
-  const Parts& bucket_reductions(int64_t index, const std::vector<int64_t>& numels,
-                                 const std::vector<bool>& exact, const at::Tensor& x,
-                                 Collective collective);
+  const Cached& bucket_reductions(int64_t index, const std::vector<int64_t>& numels,
+                                  const std::vector<bool>& exact, const at::Tensor& x,
+                                  Collective collective);
   // Runs `body` (a reduction that starts its collectives and returns what remains to leave its
   // value in `result`; neither captures `this`) on the issuing thread and its Finish on the
   // finishing thread, or both at once on the CUDA stream (then watches r's decodes); returns the
@@ -162,17 +177,13 @@ class CompressedAllreduce : public torch::CustomClassHolder {
   std::optional<Codec> codec_;
   c10::intrusive_ptr<NonfiniteGuard> guard_;
   CastSum cast_sum_;
-  struct Cached {
-    std::vector<int64_t> numels;
-    std::vector<bool> exact;
-    Parts parts;
-  };
   std::unordered_map<int64_t, Cached> buckets_;  // touched by the caller's thread only
   struct CachedLowRank {
     std::vector<int64_t> numels, rows;
     std::shared_ptr<LowRankReduction> reduction;
   };
   std::unordered_map<int64_t, CachedLowRank> lowrank_buckets_;  // likewise
+  std::unordered_map<int64_t, std::pair<int64_t, int64_t>> traffic_;  // likewise, per bucket index
   // CUDA: one per reduced bucket, true once its decode status words were read (throws if bad).
   std::vector<std::function<bool()>> pending_checks_;
   std::mutex checks_mutex_;

@@ -10,6 +10,8 @@
 #include <cctype>
 #include <limits>
 
+#include "bucket_reduction.hpp"
+
 namespace gradzip::torch_ext {
 namespace {
 
@@ -132,6 +134,14 @@ void LowRankReduction::compute(LowRankStep step, const LowRankOperands& operands
 bool LowRankReduction::same_layout(const LowRankReduction& other) const {
   return world_ == other.world_ && n_ == other.n_ && q_numel_ == other.q_numel_ &&
          pieces_ == other.pieces_;
+}
+
+std::pair<int64_t, int64_t> LowRankReduction::traffic() const {
+  int64_t bytes = 0;
+  for (const LowRankStep step : steps())
+    if (is_allreduce(step))
+      bytes += fp32_traffic(step == LowRankStep::allreduce_p ? p.numel() : q_numel_, world_);
+  return {bytes, bytes};
 }
 
 at::Tensor LowRankReduction::summed(LowRankStep step, const LowRankOperands& operands) const {

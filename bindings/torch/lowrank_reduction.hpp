@@ -16,7 +16,8 @@
 // One bucket is exactly two all-reduces, whatever its tensors. P and Q of each tensor are views of
 // the flat buffers written by at::mm_out: tensors of one shape are never stacked into a copy.
 // That order is written once, as data (LowRankReduction::steps), which each driver interprets: a
-// process group (compressed_allreduce.hpp) and W ranks in one process (in_memory_exchange.hpp).
+// process group (compressed_allreduce.hpp) and W ranks in one process (in_memory_exchange.hpp),
+// and which gives the bytes the reduction reports (LowRankReduction::traffic).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -62,6 +63,9 @@ class LowRankReduction {
   // The buffer an all-reduce step sums in place: p, or the caller's q.
   at::Tensor summed(LowRankStep step, const LowRankOperands& operands) const;
   int64_t world() const { return world_; }
+  // Bytes (sent, received) of one rank for this bucket: its all-reduces (`steps`), each counted as
+  // a float32 ring all-reduce (fp32_traffic).
+  std::pair<int64_t, int64_t> traffic() const;
   // Whether `other` reduces a bucket of the same tensors over the same world (its rank's peer).
   bool same_layout(const LowRankReduction& other) const;
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import gradzip
-from gradzip.plan import shard_bounds, traffic, CodecPlan
+from gradzip.plan import shard_bounds, CodecPlan
 from gradzip import simulation, wire
 from gradzip.ddp import CompressionState
 
@@ -117,7 +117,8 @@ def test_a_warmup_codec_carries_the_warmup_without_feedback(world):
             assert ((got.double() - exact).abs() <= bound).all()
             assert not torch.equal(got, want)  # it is not the fp32 average
             assert all(float(r.abs().max()) == 0 for r in sim.residuals())
-            assert sim.stats["bytes_sent"] == traffic(CodecPlan.parse("bf16"), (n,), world, 0)[0]
+            bf16 = torch.classes.gradzip.BucketReduction("bf16", world, 0, [n], gs[0])
+            assert sim.stats["bytes_sent"] == bf16.traffic()[0]
             assert sim.stats["bytes_sent"] < 0.6 * plain.stats["bytes_sent"]
         else:
             assert torch.equal(got, want) and sim.stats == plain.stats
@@ -141,7 +142,8 @@ def test_stats_count_the_wire_bytes():
     assert st["bytes_sent"] == 3 * e(shard, "int8") + 3 * e(shard, "int8")
     assert st["raw_bytes"] == 2 * 3 * 4 * n // 4
     assert 3.5 < st["compression_ratio"] < 4.0
-    assert traffic(CodecPlan.parse("topk:0.01"), (n,), world, 0) == (3 * e(n, "topk:0.01"),) * 2
+    topk = torch.classes.gradzip.BucketReduction("topk:0.01", world, 0, [n], torch.zeros(1))
+    assert topk.traffic() == (3 * e(n, "topk:0.01"),) * 2
 
 
 def test_nonfinite_step_keeps_residuals():

@@ -90,7 +90,8 @@ def test_message_slots_agree_with_the_all_reduce(spec, world):
             return wire.message_slot_bytes(gradzip.encoded_bytes(m, as_spec))
 
         for rank in range(world):
-            sent, received = _ops.bucket_traffic(spec, world, rank, [n], "fp32")
+            sent, received = torch.classes.gradzip.BucketReduction(
+                spec, world, rank, [n], torch.zeros(1), "fp32").traffic()
             if spec.startswith("topk"):
                 assert sent == received == (world - 1) * slot(n), (spec, n)
                 continue
@@ -161,8 +162,10 @@ def test_the_codec_facts_are_the_extensions(kind, cast_sum):
     assert wire.allreduce_collective(kind, cast_sum) == ext
     assert plan.CodecPlan.parse(spec, cast_sum).collective == ext
     # Block-scaled codecs cut a shard at the tensors, so a tensor sent exact changes the bytes.
-    exact = _ops.bucket_traffic(spec, 2, 0, [300, 300], "fp32", [True, False])
-    whole = _ops.bucket_traffic(spec, 2, 0, [300, 300], "fp32", [])
+    exact = torch.classes.gradzip.BucketReduction(spec, 2, 0, [300, 300], torch.zeros(1), "fp32",
+                                                  [True, False]).traffic()
+    whole = torch.classes.gradzip.BucketReduction(spec, 2, 0, [300, 300], torch.zeros(1),
+                                                  "fp32").traffic()
     assert (exact != whole) == (kind in wire.BLOCK_SCALED_KINDS)
 
 

@@ -16,6 +16,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "compressed_allreduce.hpp"
@@ -205,6 +206,42 @@ void check_topk(const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
   expect(err <= 1e-6, "top-k average = sum of both ranks' selections, off by " + std::to_string(err));
 }
 
+// The bytes a reduction reports: its layout's (a chunked CPU cast bucket: the whole bucket's), an
+// fp32 ring all-reduce's when uncompressed, the reduce-scatter's own; a bucket never reduced has
+// none.
+void check_traffic(const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
+  using gradzip::torch_ext::BucketLayout;
+  using gradzip::torch_ext::CastSum;
+  using gradzip::torch_ext::Collective;
+  const int64_t big = CompressedAllreduce::kCastChunk + 3;  // two chunks
+  for (const auto& [codec, n] : {std::pair{"int8", kN}, std::pair{"bf16", big}}) {
+    CompressedAllreduce reducer(group, codec);
+    bool threw = false;
+    try {
+      reducer.traffic(0);
+    } catch (const c10::ValueError&) {
+      threw = true;
+    }
+    expect(threw, std::string(codec) + ": the traffic of a bucket never reduced is a ValueError");
+    at::Tensor grad = at::randn({n});
+    reducer.reduce(0, grad, grad, {n}, {}, {}, true)->wait();
+    const gradzip::Codec parsed = gradzip::Codec::parse(codec);
+    expect(reducer.traffic(0) == BucketLayout(parsed, kWorld, {n}).traffic(my_rank),
+           std::string(codec) + ": reports its layout's bytes");
+    reducer.reduce(0, grad, grad, {n}, {}, {}, false)->wait();
+    const int64_t fp32 = gradzip::torch_ext::fp32_traffic(n, kWorld);
+    expect(reducer.traffic(0) == std::pair{fp32, fp32},
+           std::string(codec) + ": an uncompressed bucket reports an fp32 ring all-reduce");
+    at::Tensor out = at::empty({n / kWorld});
+    at::Tensor x = at::randn({kWorld * (n / kWorld)});
+    reducer.reduce_scatter(1, out, x, {x.numel()}, {}, 1.0)->wait();
+    expect(reducer.traffic(1) == BucketLayout(parsed, kWorld, {x.numel()},
+                                              Collective::reduce_scatter, CastSum::fp32)
+                                     .traffic(my_rank),
+           std::string(codec) + ": the reduce-scatter reports its layout's bytes");
+  }
+}
+
 // FSDP's reduce-scatter: rank r's output is its shard of the sum of prescale * g, summed in fp32.
 void check_reduce_scatter(const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
   constexpr int64_t shard = kN / kWorld;  // the input is W whole shards
@@ -281,6 +318,7 @@ int run_rank(int rank, const std::string& store_path) {
   check_int8_and_sign(group);
   check_topk(group);
   check_reduce_scatter(group);
+  check_traffic(group);
   // The second group's Gloo pairs on keys of their own in the same store.
   auto gather_store = c10::make_intrusive<c10d::PrefixStore>("gather", store);
   auto gather_gloo =

@@ -205,17 +205,18 @@ class CompressionState(ReducerState):
 
     def _reduce(self, index, bucket_view, x, layout, st):
         """Enqueues one reduction of ``x`` (the bucket's float32 values) in C++; returns its Future."""
-        bucket = self.config.begin_bucket(self.step, layout, self._world, self._rank, self._stats,
-                                          reduction_guards=True)
+        bucket = self.config.begin_bucket(self.step, layout, self._world, reduction_guards=True)
         selected = bucket.send(x, st, self._guard)
+        runtime = self._runtime_of_step()
         if bucket.lowrank:
-            fut = self._runtime_of_step().reduce_lowrank(index, bucket_view, x, bucket.numels,
-                                                         bucket.rows, st.residual, st.q)
+            fut = runtime.reduce_lowrank(index, bucket_view, x, bucket.numels, bucket.rows,
+                                         st.residual, st.q)
         else:
             fb = bucket.feedback(st)
             residuals = (None,) * 2 if fb is None else (fb.residual, fb.owner_residual)
-            fut = self._runtime_of_step().reduce(index, bucket_view, x, bucket.numels, *residuals,
-                                                 bucket.plan is not None, bucket.exact)
+            fut = runtime.reduce(index, bucket_view, x, bucket.numels, *residuals,
+                                 bucket.plan is not None, bucket.exact)
+        bucket.count(self._stats, runtime.traffic(index))
         if self.config.direction is None:
             return fut
 

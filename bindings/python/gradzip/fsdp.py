@@ -45,7 +45,6 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from . import _ops  # noqa: F401  (loads the extension that defines torch.classes.gradzip)
 from ._groups import reducing_group, require_same_config
 from .bucket_state import initial_qs, layout_numels, layout_rows, tuplify
-from .plan import traffic
 from .reducer import ReducerConfig, ReducerState
 from .param_gather import CompressedAllGather, param_codec as _param_codec
 from .wire import MIN_COMPRESS_NUMEL, travels_uncompressed
@@ -331,30 +330,23 @@ class FSDPCompressionState(ReducerState):
                              f"{input.numel()} -> {output.numel()} elements, its parameters make "
                              f"{world} x {st.layout.shard} (parameters changed after compress()?)")
         compressed = self.config.compresses(self.step, input.numel(), world)
-        item = input.element_size()
-        raw = (world - 1) * st.layout.shard * item
-        exact = st.layout.exact(self.config.uncompressed_numel)
-        lowrank = st.q is not None
-        if compressed and lowrank:
-            bucket = st.layout.bucket
-            sent, received = traffic(self.config.plan, tuple(layout_numels(bucket)), world, rank,
-                                     tuple(layout_rows(bucket)))
-        elif compressed:
-            sent, received = _ops.reduce_scatter_traffic(self.config.codec, world, rank,
-                                                         st.layout.numels, exact)
+        raw = (world - 1) * st.layout.shard * input.element_size()
+        if compressed:
+            scale = self._prescale(op, world, divide_factor)
+            if st.q is not None:
+                fut = self._reduce_lowrank(index, st, output, input, scale * world)
+            else:
+                fut = self._reduce_codec(index, st, output, input, scale,
+                                         st.layout.exact(self.config.uncompressed_numel))
+            sent, received = self._runtime.traffic(index)
         else:
             sent = received = raw
-        self._stats.add_bytes(sent, received, raw, compressed)
+        self._stats.add(sent, received, raw, compressed)
         self._reduced.add(index)
         if len(self._reduced) == len(self._params):
             self._end_step()
         if not compressed:
             return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
-        scale = self._prescale(op, world, divide_factor)
-        if lowrank:
-            fut = self._reduce_lowrank(index, st, output, input, scale * world)
-        else:
-            fut = self._reduce_codec(index, st, output, input, scale, exact)
         if async_op:
             return torch._C._distributed_c10d._create_work_from_future(fut)
         fut.wait()

@@ -1,16 +1,17 @@
-"""What a codec sends: the parsed codec plan (its spec and the collective its all-reduce uses), a
-bucket's bytes on the wire, and the traffic counters of a step.
+"""What a codec sends: the parsed codec plan (its spec and the collective its all-reduce uses),
+and the traffic counters of a step.
 
 The algorithms are C++, written once (bindings/torch/bucket_reduction.hpp: the phases, the shard
 and piece layout, the wire slots; compressed_allreduce.hpp: the driver over a c10d ProcessGroup,
-used by the DDP hook, FSDP's reduce-scatter and C++ callers); the bytes here are that layout's.
+used by the DDP hook, FSDP's reduce-scatter and C++ callers); the bytes counted here are those the
+reductions report of what they laid out (their ``traffic()``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Optional, Tuple
+from typing import Tuple
 
 
 from . import _ops, wire
@@ -67,27 +68,6 @@ def shard_bounds(n: int, world: int) -> Tuple[int, ...]:
     return tuple(_ops.shard_starts(n, world))
 
 
-@lru_cache(maxsize=4096)
-def traffic(plan: Optional[CodecPlan], numels: Tuple[int, ...], world: int, rank: int,
-            rows: Optional[Tuple[int, ...]] = None, exact: Tuple[bool, ...] = ()):
-    """Bytes (sent, received) by one rank for one bucket holding tensors of ``numels`` elements
-    (``rows``: their first dimensions, for lowrank), those flagged in ``exact`` sent in fp32 (see
-    layout_exact); plan None = fp32 all-reduce (counted as a ring all-reduce: 2 (W-1)/W of the
-    buffer each way)."""
-    if world == 1:
-        return 0, 0
-    if plan is None:
-        b = _ops.fp32_traffic(sum(numels), world)
-        return b, b
-    if plan.kind == "lowrank":  # two fp32 ring all-reduces: P with the uncompressed tensors, Q
-        p, q = _ops.lowrank_sizes(plan.lowrank_rank, list(numels), list(rows or numels))
-        b = _ops.fp32_traffic(p, world) + _ops.fp32_traffic(q, world)
-        return b, b
-    sent, received = _ops.bucket_traffic(plan.spec, world, rank, list(numels), plan.cast_sum,
-                                         list(exact))
-    return sent, received
-
-
 class TrafficStats:
     """Bytes sent/received by this rank in the last completed step, and the compression ratio
     against the uncompressed collective of the same tensors (for the all-reduce: an fp32 ring
@@ -103,15 +83,10 @@ class TrafficStats:
         return {"bytes_sent": 0, "bytes_received": 0, "raw_bytes": 0, "buckets": 0,
                 "compressed_buckets": 0}
 
-    def add(self, plan, numels, world, rank, rows=None, exact=()):
-        """One all-reduced bucket, carried by ``plan`` (None: the fp32 all-reduce; ``rows``,
-        ``exact``: see traffic)."""
-        numels = tuple(numels)
-        rows = None if rows is None else tuple(rows)
-        sent, received = traffic(plan, numels, world, rank, rows, tuple(exact))
-        self.add_bytes(sent, received, traffic(None, numels, world, rank)[0], plan is not None)
-
-    def add_bytes(self, sent: int, received: int, raw: int, compressed: bool):
+    def add(self, sent: int, received: int, raw: int, compressed: bool):
+        """One reduced bucket: the bytes this rank sent and received (as its reduction reports
+        them), ``raw`` those of the uncompressed collective, ``compressed`` whether a codec carried
+        it."""
         a = self._acc
         a["bytes_sent"] += sent
         a["bytes_received"] += received

@@ -12,7 +12,7 @@ from typing import List, Optional
 
 import torch
 
-from . import _ops  # noqa: F401  (loads the extension that defines torch.classes.gradzip)
+from . import _ops  # also loads the extension that defines torch.classes.gradzip
 from .bucket_state import StateStore, layout_exact, layout_numels, layout_rows
 from .plan import CodecPlan, TrafficStats, shard_bounds
 
@@ -167,20 +167,17 @@ class ReducerConfig:
         sent = None if selected_from is None else st.residual.abs() < 0.5 * selected_from.abs()
         self.direction.finish_(avg, st.moments, st.updates, self.warmup_steps, compressed, sent)
 
-    def begin_bucket(self, step: int, layout, world: int, rank: int, stats: TrafficStats,
-                     reduction_guards: bool) -> "BucketStep":
-        """How one bucket (of ``layout``) travels at ``step``, its traffic counted in ``stats`` as
-        ``rank``'s; see :class:`BucketStep`."""
-        bucket = BucketStep(self, step, layout, world, reduction_guards)
-        stats.add(bucket.plan, bucket.numels, world, rank, bucket.rows, bucket.exact)
-        return bucket
+    def begin_bucket(self, step: int, layout, world: int, reduction_guards: bool) -> "BucketStep":
+        """How one bucket (of ``layout``) travels at ``step``; see :class:`BucketStep`."""
+        return BucketStep(self, step, layout, world, reduction_guards)
 
 
 class BucketStep:
     """The sequence one bucket goes through at one step, the same for the DDP hook (one rank) and
     the simulation (each of its W ranks): :meth:`ReducerConfig.begin_bucket` decides how the bucket
     travels; then, per rank, :meth:`send` (before the collective), the caller's collective
-    (:attr:`plan`, :attr:`lowrank`, the residuals of :meth:`feedback`) and :meth:`receive`.
+    (:attr:`plan`, :attr:`lowrank`, the residuals of :meth:`feedback`) and :meth:`receive`; and
+    :meth:`count` of the bytes the collective reports.
 
     ``reduction_guards``: the reduction itself saves the residuals and Q factors it updates and
     flags its result for the non-finite guard (the hook's C++ CompressedAllreduce does; the
@@ -196,6 +193,8 @@ class BucketStep:
         self.plan = config.transport(step, n, world)  # None: an fp32 all-reduce of the average
         # lowrank's collectives (all-reduces of the factors) instead of the codec's
         self.lowrank = self.compressed and config.plan.lowrank_rank > 0
+        # the uncompressed reference: an fp32 ring all-reduce of the bucket
+        self.raw_bytes = _ops.fp32_traffic(n, world)
 
     def send(self, x: torch.Tensor, st, guard) -> Optional[torch.Tensor]:
         """One rank's part before the collective: its ``guard`` saves the bucket's state ``st``
@@ -218,6 +217,12 @@ class BucketStep:
         self.config.finish_direction(avg, st, self.compressed, selected)
         if guard is not None and not self.reduction_guards:
             guard.flag(avg)
+
+    def count(self, stats: TrafficStats, traffic) -> None:
+        """Adds this bucket to ``stats``: ``traffic``, the (sent, received) bytes its reduction
+        reports (``traffic()`` of the C++ reduction), against :attr:`raw_bytes`."""
+        sent, received = traffic
+        stats.add(sent, received, self.raw_bytes, self.plan is not None)
 
 
 def state_tensors(st) -> list:

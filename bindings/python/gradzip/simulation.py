@@ -100,7 +100,7 @@ class SimulatedWorkers(Reporting):
         if len(keys) != len(shapes) or len(set(keys)) != len(keys):
             raise ValueError(f"gradzip: keys must name each of the {len(shapes)} tensors once")
         layout = (n, tuple(zip(keys, shapes)))
-        bucket = cfg.begin_bucket(self.step, layout, world, 0, self._stats, reduction_guards=False)
+        bucket = cfg.begin_bucket(self.step, layout, world, reduction_guards=False)
         states = [cfg.bucket_state(self._ef[r], bucket_index, layout, world, r, flats[r].device)
                   for r in range(world)]
         selected = [bucket.send(f, st, g) for f, st, g in zip(flats, states, self._guards)]
@@ -111,19 +111,23 @@ class SimulatedWorkers(Reporting):
             # each rank's own copy where the optimizer finishes it in place
             outs = [out] * world if cfg.direction is None else [out] + [
                 out.clone() for _ in range(world - 1)]
+            traffic = (bucket.raw_bytes,) * 2  # the fp32 all-reduce is the reference itself
         elif bucket.lowrank:
             outs = [f.clone() for f in flats]  # reduced in place; flats may be the caller's grads
+            ranks = self._lowrank_reductions(bucket_index, bucket.numels, bucket.rows, flats[0])
             torch.ops.gradzip.reduce_lowrank_in_memory(
-                self._lowrank_reductions(bucket_index, bucket.numels, bucket.rows, flats[0]),
-                outs, [st.residual for st in states], [st.q for st in states])
+                ranks, outs, [st.residual for st in states], [st.q for st in states])
+            traffic = ranks[0].traffic()
         else:
             outs = [torch.empty_like(f) for f in flats]
             feedback = [bucket.feedback(st) for st in states]
+            ranks = self._bucket_reductions(bucket.plan, bucket_index, bucket.numels, bucket.exact,
+                                            flats[0])
             torch.ops.gradzip.reduce_in_memory(
-                self._bucket_reductions(bucket.plan, bucket_index, bucket.numels, bucket.exact,
-                                        flats[0]),
-                flats, [None if st is None else st.residual for st in feedback],
+                ranks, flats, [None if st is None else st.residual for st in feedback],
                 [None if st is None else st.owner_residual for st in feedback], outs)
+            traffic = ranks[0].traffic()
+        bucket.count(self._stats, traffic)  # rank 0's, as the hook's stats are its rank's
         for o, st, sel, g in zip(outs, states, selected, self._guards):
             bucket.receive(o, st, sel, g)
         if is_last:

@@ -37,6 +37,21 @@ def test_fp32_is_the_rank_order_sum_of_prescaled_gradients(world, n):
     assert torch.equal(out, expected) if world > 1 else torch.equal(out, gs[0])
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_fp32_keeps_no_residual_and_averages_as_without_feedback(world):
+    """fp32 is lossless, so error feedback keeps nothing for it (a residual would stay zero): no
+    state, and the same bits as without error feedback; a lossy codec keeps its residual."""
+    with_ef, without = SimulatedWorkers("fp32", world), SimulatedWorkers(
+        "fp32", world, error_feedback=False)
+    for s in range(3):
+        gs = grads(world, 4099, seed=s)
+        assert torch.equal(with_ef.reduce(gs), without.reduce(gs))
+    assert all(worker == {} for worker in with_ef.state_dict()["workers"])
+    bf16 = SimulatedWorkers("bf16", world)
+    bf16.reduce(grads(world, 4099))
+    assert bf16.state_dict()["workers"][0][0]["residual"].abs().sum() > 0
+
+
 def test_shards_cover_the_bucket():
     for n in (3, 4, 10, 11):
         for w in (1, 2, 3, 4):

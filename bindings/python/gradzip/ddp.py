@@ -44,7 +44,8 @@ class CompressionState(ReducerState):
             ``"lowrank:4"`` (PowerSGD's rank-4 approximation of each matrix, warm-started; its Q
             factors are kept with the residuals).
         process_group: the group to reduce over (None: the default group).
-        error_feedback: keep residuals (``c = g + e; e = c - decode(encode(c))``).
+        error_feedback: keep residuals (``c = g + e; e = c - decode(encode(c))``); fp32 keeps
+            none, being lossless (its residual would stay zero).
         warmup_steps: the first steps run uncompressed (plain all-reduce average, or
             ``warmup_codec``'s).
         warmup_codec: a codec spec (e.g. ``"bf16"``) that carries the warm-up steps' buckets,

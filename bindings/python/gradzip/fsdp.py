@@ -287,7 +287,7 @@ class FSDPCompressionState(ReducerState):
             layout = _GroupLayout(world, self._params[index])
             q_rank = self.config.plan.lowrank_rank
             residual = q = None
-            if self.config.error_feedback:  # lowrank's: of the unsharded gradient, no padding
+            if self.config.keeps_residual:  # lowrank's: of the unsharded gradient, no padding
                 n = layout.bucket[0] if q_rank else world * layout.shard
                 residual = torch.zeros(n, dtype=torch.float32, device=device)
             if q_rank:

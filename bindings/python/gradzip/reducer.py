@@ -12,7 +12,7 @@ from typing import List, Optional
 
 import torch
 
-from . import _ops  # also loads the extension that defines torch.classes.gradzip
+from . import _ops, wire  # _ops also loads the extension that defines torch.classes.gradzip
 from .bucket_state import StateStore, layout_exact, layout_numels, layout_rows
 from .plan import CodecPlan, TrafficStats, shard_bounds
 
@@ -47,6 +47,10 @@ class ReducerConfig:
                              "uncompressed warm-up steps before it freezes it: warmup_steps must "
                              "be >= 1 (about the learning rate's warm-up)")
         self.error_feedback = bool(error_feedback)
+        # What error feedback keeps: nothing for a lossless codec (fp32), whose residual would stay
+        # zero; so fp32 costs neither a residual's memory nor its passes.
+        self.keeps_residual = (self.error_feedback
+                               and CodecPlan.parse(codec).kind not in wire.LOSSLESS_KINDS)
         # The owner residual exists only where one rank forms the sum in fp32 (the two-phase path).
         if cast_sum is None:
             cast_sum = "fp32" if self.wants_owner_residual else "wire"
@@ -112,11 +116,11 @@ class ReducerConfig:
         """The owner's second residual on the reduced shard of a two-phase bucket: measured to help
         only where an optimizer direction is compressed (on raw gradients it compounds the two
         errors)."""
-        return self.error_feedback and self.direction is not None
+        return self.keeps_residual and self.direction is not None
 
     @property
     def keeps_state(self) -> bool:
-        return self.error_feedback or self.direction is not None or self.plan.lowrank_rank > 0
+        return self.keeps_residual or self.direction is not None or self.plan.lowrank_rank > 0
 
     def new_guard(self):
         """A C++ NonfiniteGuard where there is state to protect, else None."""
@@ -127,13 +131,13 @@ class ReducerConfig:
         """This rank's state of one bucket, or None when it keeps none."""
         moments = 0 if self.direction is None else self.direction.buffers
         q_rank = self.plan.lowrank_rank  # lowrank keeps its Q factors with or without feedback
-        if not self.error_feedback and not moments and not q_rank:
+        if not self.keeps_residual and not moments and not q_rank:
             return None
         owner = None
         if self.wants_owner_residual and self.plan.two_phase:
             bounds = shard_bounds(layout[0], world)
             owner = (bounds[rank], bounds[rank + 1] - bounds[rank])
-        return store.get(index, layout, self.error_feedback, owner, moments, device, q_rank)
+        return store.get(index, layout, self.keeps_residual, owner, moments, device, q_rank)
 
     def apply_direction(self, x: torch.Tensor, st, compressed: bool, world: int,
                         numels: List[int], exact: List[bool]) -> Optional[torch.Tensor]:

@@ -39,6 +39,7 @@ BLOCK_SCALED_KINDS = ("int8", "sign")
 MIN_PIECE = 64
 # summable: the payload is the values, in a dtype a backend's all-reduce sums.
 SUMMABLE_KINDS = ("fp32", "fp16", "bf16")
+LOSSLESS_KINDS = ("fp32",)  # decode(encode(x)) == x: error feedback has nothing to keep
 # all_gathered: an all-reduce all-gathers every rank's message of the whole bucket.
 ALL_GATHERED_KINDS = ("topk",)
 

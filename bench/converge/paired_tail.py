@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from gradzip.converge.compression import BASELINE
-from gradzip.converge.report import TAIL, tail_mean
+from gradzip.converge.report import TAIL, eval_curves, tail_vs_fp32
 from gradzip.converge.tasks import DEPTH, LANGUAGE
 from gradzip.converge.training import read_jsonl
 
@@ -19,17 +19,15 @@ from gradzip.converge.training import read_jsonl
 def table(folder: Path) -> str:
     evals = read_jsonl(folder / "evals.jsonl")
     task = LANGUAGE if "val_loss" in evals[0] else DEPTH
-    curves: dict[tuple, list[dict]] = {}
-    for e in evals:
-        curves.setdefault((e["run"], e["seed"]), []).append(e)
+    curves = eval_curves(evals)
     runs = list(dict.fromkeys(e["run"] for e in evals))
     lines = [f"{folder}: {task.tail}, mean of the last {TAIL} evaluations, vs fp32 of the same "
              "seed (%)", "| run | seeds | mean ± std | per seed |", "|---|---:|---|---|"]
     for run in runs:
         if run == BASELINE:
             continue
-        diffs = [100 * (tail_mean(c, task.tail) / tail_mean(curves[BASELINE, seed], task.tail) - 1)
-                 for (r, seed), c in curves.items() if r == run and (BASELINE, seed) in curves]
+        diffs = [tail_vs_fp32(curves, run, seed, task.tail)
+                 for r, seed in curves if r == run and (BASELINE, seed) in curves]
         if not diffs:
             continue
         spread = f" ± {statistics.stdev(diffs):.1f}" if len(diffs) > 1 else ""

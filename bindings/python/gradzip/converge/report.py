@@ -82,24 +82,35 @@ def tail_mean(evals: list[dict], key: str) -> float | None:
     return statistics.fmean(e[key] for e in last) if last else None
 
 
-def rows(results: list[dict], evals: list[dict], task: Task) -> list[dict]:
-    """summary.csv: one row per result, with its paired comparison to fp32 of the same seed."""
+def eval_curves(evals: list[dict]) -> dict[tuple, list[dict]]:
+    """The evaluations grouped by (run, seed)."""
     curves: dict[tuple, list[dict]] = {}
     for e in evals:
         curves.setdefault((e["run"], e["seed"]), []).append(e)
-    key, (vs_fp32, tail_vs_fp32, _) = task.headline, paired(task)
+    return curves
+
+
+def tail_vs_fp32(curves: dict[tuple, list[dict]], run: str, seed: int, key: str) -> float | None:
+    """``key``'s tail mean of (run, seed) against fp32's of the same seed - 1, in percent; None
+    without both."""
+    mine = tail_mean(curves.get((run, seed), []), key)
+    theirs = tail_mean(curves.get((BASELINE, seed), []), key)
+    return None if mine is None or not theirs else 100 * (mine / theirs - 1)
+
+
+def rows(results: list[dict], evals: list[dict], task: Task) -> list[dict]:
+    """summary.csv: one row per result, with its paired comparison to fp32 of the same seed."""
+    curves = eval_curves(evals)
+    key, (vs_fp32, tail_column, _) = task.headline, paired(task)
     fp32 = {r["seed"]: r[key] for r in results if r["run"] == BASELINE}
-    fp32_tail = {s: tail_mean(curves.get((BASELINE, s), []), task.tail) for s in fp32}
     table = []
     for r in results:
         row = {k: r[k] for k in summary_columns(task) if k not in paired(task)}
         ref = fp32.get(r["seed"])
+        curve = curves.get((r["run"], r["seed"]), [])
         row[vs_fp32] = None if ref is None else 100 * (r[key] / ref - 1)
-        mine, theirs = tail_mean(curves.get((r["run"], r["seed"]), []), task.tail), fp32_tail.get(
-            r["seed"])
-        row[tail_vs_fp32] = None if mine is None or not theirs else 100 * (mine / theirs - 1)
-        row["steps_to_target"] = None if ref is None else steps_to_target(
-            curves.get((r["run"], r["seed"]), []), key, TARGET * ref)
+        row[tail_column] = tail_vs_fp32(curves, r["run"], r["seed"], task.tail)
+        row["steps_to_target"] = None if ref is None else steps_to_target(curve, key, TARGET * ref)
         table.append(row)
     return table
 

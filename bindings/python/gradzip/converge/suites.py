@@ -92,8 +92,8 @@ SUITES = {
     "cpu-long": Suite(
         "cpu-long",
         CPU_LONG, LONG_STUDY, "cpu",
-        "cpu-lm at 2400 steps (4x): fp32, int8, and sign and top-k 1 % with the recipe; about "
-        "8 minutes a run on one core"),
+        "cpu-lm at 2400 steps (4x): fp32, int8, and sign and top-k 1 % with the recipe; 10-15 "
+        "minutes a run on one busy core"),
     "cpu-smoke": Suite(
         "cpu-smoke",
         RunConfig(model="vit-t14", image_size=56, workers=2, batch_per_worker=2, steps=30,

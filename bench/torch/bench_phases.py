@@ -1,14 +1,21 @@
-"""Where the time of one compressed bucket goes: each phase of the C++ reduction (encode, all-to-all,
-the owner's sum and re-encode, all-gather, or the casts' one all-reduce in the wire dtype, decode)
-timed on its own, the whole reduction as the hook runs it (CompressedAllreduce; "phases in a row":
-the same calls from Python, one after the other), four such buckets given to it at once (its two
-threads overlap one bucket's encode and decode with another's collectives: "4 buckets, per
-bucket"), and PyTorch's fp32 all-reduce of the same bucket, with W Gloo ranks on this machine
-(loopback).
+"""Where the time of one compressed bucket goes: each step of the C++ reduction of the bucket in one
+piece (encode, all-to-all, the owner's sum and re-encode, all-gather, or the casts' one all-reduce
+in the wire dtype, decode), from the reduction's own timeline (a collective from its start to the
+return of its wait, so a step's wait includes the peer's lateness); the whole reduction in one
+piece ("one piece") and as the hook runs it, in chunks of --chunk elements ("total"); four such
+buckets given to it at once (its two threads overlap one bucket's encode and decode with
+another's collectives: "4 buckets, per bucket"); and PyTorch's fp32 all-reduce of the same
+bucket, with W Gloo ranks on this machine (loopback).
 
-    python bench/torch/bench_phases.py [--world 2] [--numel 1049600] [--reps 20]
+    python bench/torch/bench_phases.py [--world 2] [--numel 1049600] [--reps 20] [--chunk N]
+    python bench/torch/bench_phases.py --chunks 65536,262144,1049600     # the chunk size swept
+    python bench/torch/bench_phases.py --timeline int8 --chunk 262144    # one bucket's timeline
 
-Prints a Markdown table of medians in ms (rank 0's clock, a barrier before every timed call).
+Prints a Markdown table of medians in ms (rank 0's clock, a barrier before every timed call); with
+--chunks, the whole reduction's median per codec and chunk size; with --timeline, rank 0's
+timeline of one bucket of that codec (the median run of --reps): every phase on the pipeline thread
+that ran it, every collective from its start to the return of its wait, one line per event and a
+chart (one column per --width-th of the bucket's time).
 """
 
 import argparse
@@ -37,6 +44,93 @@ def timed(fn, reps):
     return statistics.median(out[2:]) * 1e3
 
 
+def groups(world):
+    """The hook's two groups: the reduction's own, and one for its all-gathers."""
+    return (dist.new_group(list(range(world)), use_local_synchronization=True),
+            dist.new_group(list(range(world)), use_local_synchronization=True))
+
+
+def runtime(codec, cast_sum, chunk, private, gather):
+    two_phase = codec not in ("fp32", "fp16", "bf16") or cast_sum == "fp32"
+    two_phase = two_phase and not codec.startswith("topk")
+    return torch.classes.gradzip.CompressedAllreduce(
+        private.group_name, codec, None, cast_sum, gather.group_name if two_phase else "", chunk)
+
+
+def chunk_sweep(rank, world, args):
+    """{codec row: {chunk: median ms of the whole reduction}}."""
+    n = args.numel
+    numels = [n - n // 1025, n // 1025]
+    x0 = torch.randn(n, generator=torch.Generator().manual_seed(rank))
+    x, residual = x0.clone(), torch.zeros(n)
+    private, gather = groups(world)
+    copy = timed(lambda: x.copy_(x0), args.reps)
+    rows = {}
+    for codec, cast_sum in CODECS:
+        name = codec if cast_sum == "wire" else f"{codec} cast_sum={cast_sum}"
+        for chunk in args.chunks:
+            red = runtime(codec, cast_sum, chunk, private, gather)
+
+            def whole():
+                x.copy_(x0)
+                red.reduce(0, x, x, numels, residual, None, True, []).wait()
+            rows.setdefault(name, {})[chunk] = timed(whole, args.reps) - copy
+    return rows
+
+
+def timeline(rank, world, args):
+    """Rank 0's events of the median of --reps reductions of one bucket, and that median (ms)."""
+    n = args.numel
+    numels = [n - n // 1025, n // 1025]
+    x0 = torch.randn(n, generator=torch.Generator().manual_seed(rank))
+    x, residual = x0.clone(), torch.zeros(n)
+    private, gather = groups(world)
+    red = runtime(args.timeline, "wire", args.chunk, private, gather)
+    runs = []
+    for _ in range(args.reps + 2):
+        x.copy_(x0)
+        dist.barrier()
+        red.set_timeline(True)
+        red.reduce(0, x, x, numels, residual, None, True, []).wait()
+        events = red.take_timeline()
+        runs.append((max(e[5] for e in events), events))
+    runs = sorted(runs[2:], key=lambda r: r[0])
+    return runs[len(runs) // 2]
+
+
+def print_timeline(events, total, width):
+    lanes = {"issue": "issue thread", "finish": "finish thread"}
+    collectives = ("all-to-all", "all-gather", "all-reduce")
+    print("| lane | chunk | step | start | end |\n|---|---:|---|---:|---:|")
+    for bucket, part, step, thread, t0, t1 in sorted(events, key=lambda e: e[4]):
+        lane = "wire" if step in collectives else lanes[thread]
+        print(f"| {lane} | {part} | {step} | {t0:.2f} | {t1:.2f} |")
+    letters = {"encode": "E", "all-to-all": "A", "owner sum + re-encode": "S", "all-gather": "G",
+               "all-reduce": "R", "decode": "D"}
+    scale = width / total
+    print(f"\nOne column = {total / width:.2f} ms; letters: E encode, A all-to-all, S owner sum + "
+          "re-encode, G all-gather, R all-reduce, D decode; below a thread, the chunk it worked "
+          "on; one line per chunk for its collectives in flight.\n")
+
+    def bar(chosen):
+        row, chunk = [" "] * width, [" "] * width
+        for _, part, step, _, t0, t1 in chosen:
+            for c in range(int(t0 * scale), max(int(t0 * scale) + 1, int(t1 * scale))):
+                if c < width:
+                    row[c], chunk[c] = letters[step], str(part % 10)
+        return "".join(row), "".join(chunk)
+    print("```")
+    for thread, lane in lanes.items():
+        mine = [e for e in events if e[2] not in collectives and e[3] == thread]
+        if mine:
+            row, chunk = bar(mine)
+            print(f"{lane:>15} |{row}|\n{'':>15} |{chunk}|")
+    for part in sorted({e[1] for e in events}):
+        row, _ = bar([e for e in events if e[2] in collectives and e[1] == part])
+        print(f"{f'chunk {part}, wire':>15} |{row}|")
+    print("```")
+
+
 def worker(rank, world, args):
     n = args.numel
     numels = [n - n // 1025, n // 1025]  # a weight and its bias, as a Linear layer's bucket
@@ -52,55 +146,36 @@ def worker(rank, world, args):
     rows.append(("allreduce (fp32, torch)", {
         "total": timed(lambda: dist.all_reduce(x), args.reps),
         "4 buckets, per bucket": timed(four_allreduces, args.reps) / 4}))
-    private = dist.new_group(list(range(world)), use_local_synchronization=True)
-    gather = dist.new_group(list(range(world)), use_local_synchronization=True)
+    private, gather = groups(world)
+    copy = timed(lambda: x.copy_(x0), args.reps)
     for codec, cast_sum in CODECS:
-        red = torch.classes.gradzip.BucketReduction(codec, world, rank, numels, x, cast_sum)
         residual = torch.zeros(n)
-        phases = {"encode": timed(lambda: red.encode(x, residual), args.reps)}
-        payload = red.payload()
-        if red.wire_sum():
-            phases["all-reduce"] = timed(lambda: dist.all_reduce(payload), args.reps)
-        if red.two_phase():
-            send, recv = red.send(), red.recv()
-            splits = red.send_splits()
-            recv_splits = [recv.numel() // world] * world
-            phases["all-to-all"] = timed(
-                lambda: dist.all_to_all_single(recv, send, recv_splits, splits), args.reps)
-            phases["owner sum + re-encode"] = timed(lambda: red.reduce_owner(None), args.reps)
-        gathered, gather_in = red.gathered(), red.gather_in()
-        if not red.wire_sum():
-            phases["all-gather"] = timed(lambda: dist.all_gather_into_tensor(gathered, gather_in),
-                                         args.reps)
-        phases["decode"] = timed(lambda: red.decode(x), args.reps)
-        def in_a_row():
-            x.copy_(x0)
-            red.encode(x, residual)
-            if red.wire_sum():
-                dist.all_reduce(payload)
-                red.decode(x)
-                return
-            if red.two_phase():
-                dist.all_to_all_single(recv, send, recv_splits, splits)
-                red.reduce_owner(None)
-            dist.all_gather_into_tensor(gathered, gather_in)
-            red.decode(x)
-        runtime = torch.classes.gradzip.CompressedAllreduce(
-            private.group_name, codec, None, cast_sum, gather.group_name if red.two_phase() else "")
+        chunked = runtime(codec, cast_sum, args.chunk, private, gather)
+        one_piece = runtime(codec, cast_sum, 2**62, private, gather)
 
-        def whole():
+        def whole(reduction):
             x.copy_(x0)
-            runtime.reduce(0, x, x, numels, residual, None, True, []).wait()
-        copy = timed(lambda: x.copy_(x0), args.reps)
-        phases["phases in a row"] = timed(in_a_row, args.reps) - copy
-        phases["total"] = timed(whole, args.reps) - copy
+            reduction.reduce(0, x, x, numels, residual, None, True, []).wait()
+        # Each step of the bucket in one piece, from the reduction's own timeline (a collective:
+        # from its start to the return of its wait); the medians over the runs.
+        one_piece.set_timeline(True)
+        per_step = {}
+        for _ in range(args.reps + 2):
+            dist.barrier()
+            whole(one_piece)
+            for _, _, step, _, t0, t1 in one_piece.take_timeline():
+                per_step.setdefault(step, []).append(t1 - t0)
+        one_piece.set_timeline(False)
+        phases = {step: statistics.median(d[2:]) for step, d in per_step.items()}
+        phases["total"] = timed(lambda: whole(chunked), args.reps) - copy
+        phases["one piece"] = timed(lambda: whole(one_piece), args.reps) - copy
         xs = [x0.clone() for _ in range(4)]
         residuals = [torch.zeros(n) for _ in xs]
 
         def four():
             for xi in xs:
                 xi.copy_(x0)
-            futures = [runtime.reduce(i, xi, xi, numels, ri, None, True, [])
+            futures = [chunked.reduce(i, xi, xi, numels, ri, None, True, [])
                        for i, (xi, ri) in enumerate(zip(xs, residuals))]
             for f in futures:
                 f.wait()
@@ -115,12 +190,30 @@ def main():
     ap.add_argument("--numel", type=int, default=1025 * 1024)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--chunk", type=int, default=2**21,
+                    help="elements per chunk of the whole reduction (the hook's default: 2**21)")
+    ap.add_argument("--chunks", type=lambda v: [int(c) for c in v.split(",")],
+                    help="comma-separated chunk sizes: time the whole reduction at each")
+    ap.add_argument("--timeline", metavar="CODEC", help="print one bucket's timeline for CODEC")
+    ap.add_argument("--width", type=int, default=100, help="columns of the timeline's chart")
     args = ap.parse_args()
-    rows = loopback_ranks.run(worker, args.world, args.threads, args)
-    cols = ["encode", "all-to-all", "owner sum + re-encode", "all-gather", "all-reduce", "decode",
-            "phases in a row", "total", "4 buckets, per bucket"]
     print(f"One bucket of {args.numel} floats ({args.numel * 4 / 1e6:.1f} MB), {args.world} Gloo "
           f"ranks on loopback, median of {args.reps}, ms\n")
+    if args.chunks:
+        rows = loopback_ranks.run(chunk_sweep, args.world, args.threads, args)
+        print("| reduction | " + " | ".join(f"chunk {c}" for c in args.chunks) + " |")
+        print("|---|" + "---:|" * len(args.chunks))
+        for name, by_chunk in rows.items():
+            print(f"| {name} | " + " | ".join(f"{by_chunk[c]:.2f}" for c in args.chunks) + " |")
+        return
+    if args.timeline:
+        total, events = loopback_ranks.run(timeline, args.world, args.threads, args)
+        print(f"{args.timeline}, chunks of {args.chunk} elements: {total:.2f} ms\n")
+        print_timeline(events, total, args.width)
+        return
+    rows = loopback_ranks.run(worker, args.world, args.threads, args)
+    cols = ["encode", "all-to-all", "owner sum + re-encode", "all-gather", "all-reduce", "decode",
+            "one piece", "total", "4 buckets, per bucket"]
     print("| reduction | " + " | ".join(cols) + " |")
     print("|---|" + "---:|" * len(cols))
     for name, phases in rows:

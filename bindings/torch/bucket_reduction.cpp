@@ -65,6 +65,34 @@ int64_t slot_bytes(const Codec& codec, const Piece& p) {
   return slot_bytes(piece_codec(codec, p.exact), p.len);
 }
 
+// The first offset at or after `t` (in a shard whose messages are `pieces`) where the shard may be
+// cut without moving a block: the end of a piece, anywhere inside an exact piece, a multiple of
+// `block` from a compressed piece's start (block 1: anywhere).
+int64_t cut_at_or_after(const std::vector<Piece>& pieces, int64_t t, int64_t block) {
+  int64_t start = 0;
+  for (const Piece& p : pieces) {
+    if (t < start + p.len) {
+      if (p.exact || t <= start) return std::max(t, start);
+      const int64_t blocks = (t - start + block - 1) / block;
+      return std::min(start + blocks * block, start + p.len);
+    }
+    start += p.len;
+  }
+  return start;
+}
+
+// The pieces of [a, b) of a shard whose messages are `pieces`, each keeping its codec.
+std::vector<Piece> pieces_within(const std::vector<Piece>& pieces, int64_t a, int64_t b) {
+  std::vector<Piece> out;
+  int64_t start = 0;
+  for (const Piece& p : pieces) {
+    const int64_t lo = std::max(a, start), hi = std::min(b, start + p.len);
+    if (lo < hi) out.push_back({hi - lo, p.exact});
+    start += p.len;
+  }
+  return out;
+}
+
 }  // namespace
 
 bool is_collective(Step step) {
@@ -105,7 +133,9 @@ BucketLayout::BucketLayout(const Codec& codec, int64_t world_, const std::vector
     steps = {encode, alltoall, reduce_owner, allgather, decode};
   else
     steps = {encode, allgather, decode};
+  count = n;
   if (!two_phase) {
+    offsets = {0};
     slot = slot_bytes(codec, n);
     if (wire_sum) summed_bytes = payload_bytes(codec, n);
     return;
@@ -119,6 +149,7 @@ BucketLayout::BucketLayout(const Codec& codec, int64_t world_, const std::vector
     flags = {false};
   }
   starts = shard_starts(n, world);
+  offsets.assign(static_cast<size_t>(world), 0);
   for (int64_t j = 0; j < world; ++j) {
     pieces.push_back(shard_pieces(starts[j], starts[j + 1], ends, flags, block_scaled));
     int64_t bytes = 0;
@@ -127,6 +158,63 @@ BucketLayout::BucketLayout(const Codec& codec, int64_t world_, const std::vector
   }
   if (collective == Collective::allreduce)
     slot = *std::max_element(shard_bytes.begin(), shard_bytes.end());
+}
+
+int64_t BucketLayout::window(int64_t rank) const {
+  int64_t len = 0;
+  for (const Piece& p : pieces.at(static_cast<size_t>(rank))) len += p.len;
+  return len;
+}
+
+std::vector<BucketLayout> BucketLayout::chunks(const Codec& codec, int64_t elements) const {
+  TORCH_CHECK_VALUE(elements >= 1, "gradzip: chunks of ", elements, " elements");
+  TORCH_CHECK(count == n, "gradzip: a chunk is not cut again");
+  const int64_t wanted = (n + elements - 1) / elements;
+  if (wanted <= 1 || collective == Collective::reduce_scatter || (!two_phase && !wire_sum))
+    return {*this};
+  std::vector<BucketLayout> out;
+  if (wire_sum) {
+    for (int64_t lo = 0; lo < n; lo += elements) {
+      BucketLayout& c = out.emplace_back(*this);
+      c.offsets = {lo};
+      c.count = std::min(elements, n - lo);
+      c.slot = slot_bytes(codec, c.count);
+      c.summed_bytes = payload_bytes(codec, c.count);
+    }
+    return out;
+  }
+  const int64_t block = visit(codec.kind(), [](auto c) { return c.block_scaled; })
+                            ? static_cast<int64_t>(codec.spec().block)
+                            : 1;
+  // Chunk k of shard j is [cuts[j][k], cuts[j][k + 1]); fewer chunks where a shard's cuts, moved
+  // to the next place that keeps the blocks, would leave one empty.
+  for (int64_t parts = std::min(wanted, shard_size(world - 1)); parts > 1; --parts) {
+    std::vector<std::vector<int64_t>> cuts(static_cast<size_t>(world));
+    bool empty = false;
+    for (int64_t j = 0; j < world && !empty; ++j) {
+      auto& c = cuts[j];
+      c.push_back(0);
+      for (int64_t k = 1; k < parts; ++k)
+        c.push_back(cut_at_or_after(pieces[j], k * shard_size(j) / parts, block));
+      c.push_back(shard_size(j));
+      for (size_t k = 1; k < c.size(); ++k) empty = empty || c[k] <= c[k - 1];
+    }
+    if (empty) continue;
+    for (int64_t k = 0; k < parts; ++k) {
+      BucketLayout& c = out.emplace_back(*this);
+      c.count = 0;
+      for (int64_t j = 0; j < world; ++j) {
+        c.offsets[j] = cuts[j][k];
+        c.pieces[j] = pieces_within(pieces[j], cuts[j][k], cuts[j][k + 1]);
+        c.shard_bytes[j] = 0;
+        for (const Piece& p : c.pieces[j]) c.shard_bytes[j] += slot_bytes(codec, p);
+        c.count += cuts[j][k + 1] - cuts[j][k];
+      }
+      c.slot = *std::max_element(c.shard_bytes.begin(), c.shard_bytes.end());
+    }
+    return out;
+  }
+  return {*this};
 }
 
 std::pair<int64_t, int64_t> BucketLayout::traffic(Step step, int64_t rank) const {
@@ -180,29 +268,32 @@ BucketReduction::BucketReduction(const Codec& codec, int64_t world, int64_t rank
                                  const std::vector<int64_t>& numels,
                                  const at::TensorOptions& device, Collective collective,
                                  CastSum cast_sum, const std::vector<bool>& exact)
-    : codec_(codec),
-      layout_(codec, world, numels, collective, cast_sum, exact),
-      rank_(rank),
-      device_(device.device()) {
-  TORCH_CHECK_VALUE(rank >= 0 && rank < world, "gradzip: rank ", rank, " outside [0, ", world, ")");
-  const auto bytes = device.dtype(at::kByte);
+    : BucketReduction(codec, BucketLayout(codec, world, numels, collective, cast_sum, exact), rank,
+                      device) {}
+
+BucketReduction::BucketReduction(const Codec& codec, BucketLayout layout, int64_t rank,
+                                 const at::TensorOptions& device)
+    : codec_(codec), layout_(std::move(layout)), rank_(rank), device_(device.device()) {
   const int64_t w = layout_.world;
-  const bool allreduce = collective == Collective::allreduce;
+  TORCH_CHECK_VALUE(rank >= 0 && rank < w, "gradzip: rank ", rank, " outside [0, ", w, ")");
+  const auto bytes = device.dtype(at::kByte);
+  const bool allreduce = layout_.collective == Collective::allreduce;
   if (layout_.two_phase) {
     for (int64_t j = 0, sent = 0; j < w; sent += layout_.shard_bytes[j], ++j) {
-      append(encode_, layout_.pieces[j], layout_.starts[j], sent);
-      if (allreduce) append(decode_, layout_.pieces[j], layout_.starts[j], j * layout_.slot);
+      const int64_t at = layout_.starts[j] + layout_.offsets[j];
+      append(encode_, layout_.pieces[j], at, sent);
+      if (allreduce) append(decode_, layout_.pieces[j], at, j * layout_.slot);
     }
     for (int64_t i = 0; i < w; ++i)
       append(sum_, layout_.pieces[rank], 0, i * layout_.shard_bytes[rank]);
     if (allreduce) append(owner_, layout_.pieces[rank], 0, 0);
   } else {
-    const std::vector<Piece> whole{Piece{layout_.n}};
-    append(encode_, whole, 0, 0);
+    const std::vector<Piece> one{Piece{layout_.count}};
+    append(encode_, one, layout_.offsets[0], 0);
     if (layout_.wire_sum) {
-      append(decode_, whole, 0, 0);
+      append(decode_, one, layout_.offsets[0], 0);
     } else {
-      for (int64_t j = 0; j < w; ++j) append(decode_, whole, 0, j * layout_.slot);
+      for (int64_t j = 0; j < w; ++j) append(decode_, one, layout_.offsets[0], j * layout_.slot);
     }
   }
 
@@ -214,7 +305,7 @@ BucketReduction::BucketReduction(const Codec& codec, int64_t world, int64_t rank
     send_splits = layout_.shard_bytes;
     recv_splits.assign(static_cast<size_t>(w), layout_.shard_bytes[rank]);
     recv = at::empty({w * layout_.shard_bytes[rank]}, bytes);
-    if (allreduce) accumulator_ = at::empty({layout_.shard_size(rank)}, device.dtype(at::kFloat));
+    if (allreduce) accumulator_ = at::empty({layout_.window(rank)}, device.dtype(at::kFloat));
   }
   gather_in = at::zeros({layout_.slot}, bytes);
   gathered = at::empty({layout_.wire_sum ? 0 : w * layout_.slot}, bytes);
@@ -314,11 +405,15 @@ void BucketReduction::encode(const at::Tensor& x, const at::Tensor& residual, fl
              (layout_.two_phase ? send : gather_in).data_ptr<uint8_t>(), prescale);
 }
 
+void BucketReduction::sum_received(const at::Tensor& window) {
+  window.zero_();
+  decode_all(sum_, recv.const_data_ptr<uint8_t>(), window.data_ptr<float>(), /*add=*/true, 0);
+}
+
 void BucketReduction::sum_shard(const at::Tensor& out) {
   TORCH_CHECK(layout_.two_phase, "gradzip: sum_shard is a phase of the sharded collectives");
   check_float("shard output", out, layout_.shard_size(rank_));
-  out.zero_();
-  decode_all(sum_, recv.const_data_ptr<uint8_t>(), out.data_ptr<float>(), /*add=*/true, 0);
+  sum_received(out.narrow(0, layout_.offsets[rank_], layout_.window(rank_)));
 }
 
 void BucketReduction::reduce_owner(const at::Tensor& owner_residual) {
@@ -326,9 +421,11 @@ void BucketReduction::reduce_owner(const at::Tensor& owner_residual) {
               "gradzip: reduce_owner is a phase of the two-phase all-reduce");
   if (owner_residual.defined())
     check_float("owner residual", owner_residual, layout_.shard_size(rank_));
-  sum_shard(accumulator_);
+  sum_received(accumulator_);
   encode_all(owner_, accumulator_.const_data_ptr<float>(),
-             owner_residual.defined() ? owner_residual.data_ptr<float>() : nullptr,
+             owner_residual.defined()
+                 ? owner_residual.data_ptr<float>() + layout_.offsets[rank_]
+                 : nullptr,
              gather_in.data_ptr<uint8_t>(), 1.0f);
 }
 

@@ -55,6 +55,19 @@
 // compressed one. Other codecs ignore the marks (fp32 and the casts carry every element already;
 // top-k selects over the whole bucket).
 //
+// Chunks (BucketLayout::chunks): a bucket may be reduced as consecutive chunks, each a layout of its
+// own over the same buffers, so that a driver overlaps one chunk's phases with another's
+// collectives (compressed_allreduce.hpp). A cast chunk is a range of the bucket; a two-phase chunk
+// is a range of every shard, cut only where the whole bucket's messages could be cut without moving
+// a block (a piece's boundary, a multiple of the block from a compressed piece's start, anywhere in
+// an exact piece or a cast's message): every block of a chunk is a block of the whole bucket, so
+// the chunks encode to the same bits as the bucket in one piece, and a two-phase bucket's chunks
+// sum and decode to them too (a cast summed on the wire is summed in the backend's own order,
+// which may depend on the sizes it is given: with W > 2 ranks the 16-bit sums may round
+// differently, as they may between backends). Each chunk's
+// messages carry their own headers (32 bytes, and up to 15 bytes of alignment per section, per
+// cut piece). Top-k (it selects over the whole bucket) is not chunked.
+//
 // Workspaces are allocated once, at construction; a bucket whose layout changes needs a new object.
 #pragma once
 
@@ -111,7 +124,11 @@ struct BucketLayout {
   bool two_phase = true;                     // shards exchanged by all-to-all (else wire_sum or
                                              // top-k's all-gather)
   std::vector<int64_t> starts;               // W + 1 shard offsets (two-phase)
-  std::vector<std::vector<Piece>> pieces;    // per shard, its messages
+  std::vector<std::vector<Piece>> pieces;    // per shard, its messages, consecutive from offsets[j]
+  // Where this layout's elements begin (all zero but in a chunk): per shard, from the shard's start
+  // (two-phase); or one entry, the bucket offset of its one message.
+  std::vector<int64_t> offsets;
+  int64_t count = 0;                         // elements it carries (n but in a chunk)
   std::vector<int64_t> shard_bytes;          // per shard, its messages' bytes
   int64_t slot = 0;                          // bytes of one all-gather contribution (all-reduce),
                                              // or of the one message (wire_sum)
@@ -121,6 +138,11 @@ struct BucketLayout {
   bool operator==(const BucketLayout&) const = default;
 
   int64_t shard_size(int64_t rank) const { return starts[rank + 1] - starts[rank]; }
+  // Elements of shard `rank` this layout carries (shard_size(rank) but in a chunk).
+  int64_t window(int64_t rank) const;
+  // The bucket cut into consecutive chunks of about `elements` elements each (see above), or
+  // {*this} where it is not cut: at most `elements` already, top-k, the reduce-scatter.
+  std::vector<BucketLayout> chunks(const Codec& codec, int64_t elements) const;
   // Bytes (sent, received) of one rank in collective `step` of `steps` ((0, 0) for a phase): an
   // all-reduce counted as a ring all-reduce, an all-to-all and an all-gather by their splits and
   // slots (the padding of the slots included: it travels).
@@ -154,6 +176,9 @@ class BucketReduction {
                   const std::vector<int64_t>& numels, const at::TensorOptions& device,
                   Collective collective = Collective::allreduce, CastSum cast_sum = CastSum::wire,
                   const std::vector<bool>& exact = {});
+  // One rank's reduction of `layout` (a whole bucket's, or one of its chunks), laid out for `codec`.
+  BucketReduction(const Codec& codec, BucketLayout layout, int64_t rank,
+                  const at::TensorOptions& device);
 
   const BucketLayout& layout() const { return layout_; }
   bool two_phase() const { return layout_.two_phase; }
@@ -168,8 +193,8 @@ class BucketReduction {
   // feedback). Encodes x * prescale (the all-reduce averages: 1 / W); the residual is in those units.
   void encode(const at::Tensor& x, const at::Tensor& residual);
   void encode(const at::Tensor& x, const at::Tensor& residual, float prescale);
-  // out: shard_size(rank) floats, set to the sum of the W received encodings of this rank's shard,
-  // decoded in rank order.
+  // out: shard_size(rank) floats, its window (this layout's elements of the shard) set to the sum
+  // of the W received encodings of them, decoded in rank order.
   void sum_shard(const at::Tensor& out);
   // owner_residual: shard_size(rank) floats, or undefined.
   void reduce_owner(const at::Tensor& owner_residual);
@@ -205,14 +230,16 @@ class BucketReduction {
   void decode_all(const Messages& m, const uint8_t* wire, float* out, bool add,
                   int64_t status_index);
   void check_float(const char* name, const at::Tensor& t, int64_t numel) const;
+  // window: this rank's window of its shard, set to the sum of the W received encodings.
+  void sum_received(const at::Tensor& window);
 
   Codec codec_;
   BucketLayout layout_;
   int64_t rank_;
   c10::Device device_;
-  // encode: x into send (two-phase) or gather_in; sum_shard: recv into its output (W per piece of
-  // this rank's shard); reduce_owner: the shard's sum into gather_in; decode: gathered (gather_in
-  // for wire_sum) into the output.
+  // encode: x into send (two-phase) or gather_in; sum_: recv into this rank's window (W per piece
+  // of it); owner_: the window's sum into gather_in; decode: gathered (gather_in for wire_sum) into
+  // the output. Offsets: of the bucket (encode_, decode_), of the window (sum_, owner_).
   Messages encode_, sum_, owner_, decode_;
   at::Tensor workspace_, accumulator_;
 };

@@ -1,8 +1,10 @@
 // The compressed all-reduce as TorchScript classes (torch.classes.gradzip.*), for the Python hook
 // (gradzip.ddp) and its in-process simulation:
-//   CompressedAllreduce(group_name, codec, guard?, cast_sum="wire", gather_group_name="")   over
-//                                                    the registered process group of that name
-//                                                    (and that one for the two-phase all-gathers)
+//   CompressedAllreduce(group_name, codec, guard?, cast_sum="wire", gather_group_name="",
+//                       chunk=2**21)                 over the registered process group of that
+//                                                    name (and that one for the two-phase
+//                                                    all-gathers), CPU buckets in chunks of
+//                                                    `chunk` elements
 //   BucketReduction(codec, world, rank, numels, like, cast_sum="wire", exact=[])   one rank's
 //                                                    phases and buffers; W of them reduced by
 //   gradzip::reduce_in_memory(ranks, xs, residuals, owner_residuals, outs)   the collectives done
@@ -20,8 +22,10 @@
 #include <torch/library.h>
 
 #include <optional>
+#include <string>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 #include "compressed_allreduce.hpp"
 #include "device_codec.hpp"
@@ -125,15 +129,18 @@ TORCH_LIBRARY_FRAGMENT(gradzip, m) {
   m.class_<CompressedAllreduce>("CompressedAllreduce")
       .def(torch::init([](const std::string& group_name, const std::string& codec,
                           const std::optional<c10::intrusive_ptr<NonfiniteGuard>>& guard,
-                          const std::string& cast_sum, const std::string& gather_group_name) {
+                          const std::string& cast_sum, const std::string& gather_group_name,
+                          int64_t chunk) {
              return c10::make_intrusive<CompressedAllreduce>(
                  c10d::resolve_process_group(group_name), codec, guard.value_or(nullptr),
                  parse_cast_sum(cast_sum),
                  gather_group_name.empty() ? nullptr
-                                           : c10d::resolve_process_group(gather_group_name));
+                                           : c10d::resolve_process_group(gather_group_name),
+                 chunk);
            }),
            "", {torch::arg("group_name"), torch::arg("codec"), torch::arg("guard"),
-                torch::arg("cast_sum") = "wire", torch::arg("gather_group_name") = ""})
+                torch::arg("cast_sum") = "wire", torch::arg("gather_group_name") = "",
+                torch::arg("chunk") = CompressedAllreduce::kChunk})
       .def("reduce",
            [](const c10::intrusive_ptr<CompressedAllreduce>& self, int64_t index,
               const at::Tensor& bucket, const at::Tensor& x, const std::vector<int64_t>& numels,
@@ -159,6 +166,17 @@ TORCH_LIBRARY_FRAGMENT(gradzip, m) {
              return self->reduce_lowrank(index, bucket, x, numels, rows, or_undefined(residual), q);
            })
       .def("check_errors", &CompressedAllreduce::check_errors)
+      .def("set_timeline", &CompressedAllreduce::set_timeline)
+      // [(bucket, part, step, thread, start_ms, end_ms)], in the order the events ended
+      .def("take_timeline",
+           [](const c10::intrusive_ptr<CompressedAllreduce>& self) {
+             std::vector<std::tuple<int64_t, int64_t, std::string, std::string, double, double>>
+                 out;
+             for (const Timeline::Event& e : self->take_timeline())
+               out.emplace_back(e.bucket, e.part, step_name(e.step), e.thread, e.start_ms,
+                                e.end_ms);
+             return out;
+           })
       .def("traffic", [](const c10::intrusive_ptr<CompressedAllreduce>& self, int64_t index) {
         return sent_received(self->traffic(index));
       });

@@ -20,7 +20,8 @@ CompressedAllreduce::CompressedAllreduce(c10::intrusive_ptr<c10d::ProcessGroup> 
                                          const std::string& codec,
                                          c10::intrusive_ptr<NonfiniteGuard> guard,
                                          CastSum cast_sum,
-                                         c10::intrusive_ptr<c10d::ProcessGroup> gather_group)
+                                         c10::intrusive_ptr<c10d::ProcessGroup> gather_group,
+                                         int64_t chunk)
     : group_(std::move(group)),
       gather_group_(std::move(gather_group)),
       lowrank_(parse_lowrank(codec)),
@@ -28,8 +29,10 @@ CompressedAllreduce::CompressedAllreduce(c10::intrusive_ptr<c10d::ProcessGroup> 
         return Codec::parse(codec);
       }))),
       guard_(std::move(guard)),
-      cast_sum_(cast_sum) {
+      cast_sum_(cast_sum),
+      chunk_(chunk) {
   TORCH_CHECK_VALUE(group_, "gradzip: compressed_allreduce needs a process group");
+  TORCH_CHECK_VALUE(chunk_ >= 1, "gradzip: a chunk holds at least one element, got ", chunk_);
   TORCH_CHECK_VALUE(!gather_group_ || (gather_group_->getSize() == group_->getSize() &&
                                        gather_group_->getRank() == group_->getRank()),
                     "gradzip: the gather group must hold the same ranks as the group");
@@ -91,17 +94,10 @@ const CompressedAllreduce::Cached& CompressedAllreduce::bucket_reductions(
       cached.parts[0]->gathered.device() == x.device())
     return cached;
   const BucketLayout whole(codec(), world(), numels, collective, cast_sum_, exact);
+  const std::vector<BucketLayout> layouts = whole.chunks(codec(), chunk_);
   Parts parts;
-  if (whole.wire_sum && !x.is_cuda()) {
-    // Casts are element-wise: chunks encode to the same values, and the backend sums each alone.
-    for (int64_t lo = 0; lo < whole.n; lo += kCastChunk)
-      parts.push_back(std::make_shared<BucketReduction>(
-          codec(), world(), rank(), std::vector<int64_t>{std::min(kCastChunk, whole.n - lo)},
-          x.options(), collective, cast_sum_));
-  } else {
-    parts.push_back(std::make_shared<BucketReduction>(codec(), world(), rank(), numels,
-                                                      x.options(), collective, cast_sum_, exact));
-  }
+  for (const BucketLayout& layout : layouts)
+    parts.push_back(std::make_shared<BucketReduction>(codec(), layout, rank(), x.options()));
   cached = {numels, exact, std::move(parts), whole.traffic(rank())};
   return cached;
 }
@@ -117,61 +113,114 @@ Finish allreduce_average(c10d::ProcessGroup& group, const at::Tensor& x) {
   return [work = group.allreduce(tensors)] { work->wait(); };
 }
 
-// One chunk of a bucket's reduction with its tensors.
+// One chunk of a bucket's reduction with its tensors, and where it stands on the timeline.
 struct Part {
   std::shared_ptr<BucketReduction> reduction;
   Operands operands;
+  int64_t bucket = 0, index = 0;
 };
 
-// Starts one collective of `r` on `group` (the Step list in bucket_reduction.hpp).
-c10::intrusive_ptr<c10d::Work> issue(c10d::ProcessGroup& group, Step step, BucketReduction& r) {
+// A collective of a part, started at `started_ms` (on the timeline's clock).
+struct Started {
+  c10::intrusive_ptr<c10d::Work> work;
+  Step step = Step::alltoall;
+  double started_ms = 0;
+};
+
+// Starts collective `step` of `part` on `group` (the Step list in bucket_reduction.hpp).
+Started begin(c10d::ProcessGroup& group, Step step, const Part& part, Timeline* timeline) {
   TORCH_CHECK(is_collective(step), "gradzip: a phase is no collective to issue");
+  const double t = timeline ? timeline->now_ms() : 0;
+  BucketReduction& r = *part.reduction;
   if (step == Step::allreduce_payload) {
     std::vector<at::Tensor> payload{r.payload};  // SUM in the wire dtype, in place
-    return group.allreduce(payload);
+    return {group.allreduce(payload), step, t};
   }
   if (step == Step::alltoall)
-    return group.alltoall_base(r.recv, r.send, r.recv_splits, r.send_splits);
-  return group._allgather_base(r.gathered, r.gather_in);
+    return {group.alltoall_base(r.recv, r.send, r.recv_splits, r.send_splits), step, t};
+  return {group._allgather_base(r.gathered, r.gather_in), step, t};
+}
+
+// Waits for a started collective of `part`, on `thread`.
+void complete(const Started& c, const Part& part, Timeline* timeline, const char* thread) {
+  c.work->wait();
+  if (timeline)
+    timeline->add({part.bucket, part.index, c.step, thread, c.started_ms, timeline->now_ms()});
+}
+
+// Runs phase `step` of `part`, on `thread`.
+void compute(Step step, const Part& part, Timeline* timeline, const char* thread) {
+  const double t = timeline ? timeline->now_ms() : 0;
+  part.reduction->compute(step, part.operands);
+  if (timeline) timeline->add({part.bucket, part.index, step, thread, t, timeline->now_ms()});
 }
 
 // Runs the layout's steps (the same for every part) on this rank: each part's phases up to and
 // including the start of its first collective, part after part, so that a chunk is encoded while
 // the previous one travels; the returned Finish waits for those and runs the rest of each part in
-// the same order. The first collective goes on `group`, a later all-gather on `gather_group` when
-// there is one (so that it overlaps the next bucket's first collective); a later collective left
-// on `group` must be issued in call order, so then the rest runs here at once (empty Finish).
+// the same order, one part behind: part i's phases up to the start of its next collective, then
+// the rest of part i - 1 (so that part i's owner sum runs while part i + 1's all-to-all travels,
+// and part i - 1 is decoded while part i's all-gather travels). The first collective goes on
+// `group`, a later all-gather on `gather_group` when there is one (so that it overlaps the next
+// bucket's first collective); a later collective left on `group` must be issued in call order,
+// so then the rest runs here at once (empty Finish). Every rank issues the same collectives in
+// the same order: the order depends on the number of parts only. `timeline`: where to record
+// every step, or null.
 Finish start(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
              const c10::intrusive_ptr<c10d::ProcessGroup>& gather_group,
-             const std::vector<Part>& parts) {
+             const std::vector<Part>& parts, const std::shared_ptr<Timeline>& timeline) {
   const std::vector<Step>& steps = parts[0].reduction->layout().steps;
   const auto first = std::find_if(steps.begin(), steps.end(), is_collective);
   TORCH_CHECK(first != steps.end(), "gradzip: a reduction without a collective");
-  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  std::vector<Started> firsts;
   for (const Part& part : parts) {
     for (auto step = steps.begin(); step != first; ++step)
-      part.reduction->compute(*step, part.operands);
-    works.push_back(issue(*group, *first, *part.reduction));
+      compute(*step, part, timeline.get(), "issue");
+    firsts.push_back(begin(*group, *first, part, timeline.get()));
   }
   const std::vector<Step> rest(first + 1, steps.end());
   auto later_group = [group, gather_group](Step step) {
     return step == Step::allgather && gather_group ? gather_group : group;
   };
-  Finish finish = [parts, works, rest, later_group] {
-    for (size_t i = 0; i < parts.size(); ++i) {
-      works[i]->wait();
-      BucketReduction& r = *parts[i].reduction;
-      for (const Step step : rest) {
-        if (is_collective(step))
-          issue(*later_group(step), step, r)->wait();
-        else
-          r.compute(step, parts[i].operands);
-      }
-    }
-  };
   const bool in_call_order = std::any_of(rest.begin(), rest.end(), [&](Step step) {
     return is_collective(step) && later_group(step) == group;
   });
+  const char* thread = in_call_order ? "issue" : "finish";
+  Finish finish = [parts, firsts, rest, later_group, timeline, thread] {
+    Timeline* const t = timeline.get();
+    // A part between two of its steps: rest[next] is the next to run, once `started` completes.
+    struct Pending {
+      size_t part = 0, next = 0;
+      Started started;
+    };
+    // Runs part p's steps from rest[next] on up to the start of its next collective (returned) or
+    // to its end (nullopt); with `all`, waits for every later collective and runs to the end.
+    auto advance = [&](size_t p, size_t next, bool all) -> std::optional<Pending> {
+      for (; next < rest.size(); ++next) {
+        const Step step = rest[next];
+        if (!is_collective(step)) {
+          compute(step, parts[p], t, thread);
+          continue;
+        }
+        const Started started = begin(*later_group(step), step, parts[p], t);
+        if (!all) return Pending{p, next + 1, started};
+        complete(started, parts[p], t, thread);
+      }
+      return std::nullopt;
+    };
+    auto catch_up = [&](const Pending& behind) {
+      complete(behind.started, parts[behind.part], t, thread);
+      advance(behind.part, behind.next, true);
+    };
+    std::optional<Pending> behind;
+    for (size_t i = 0; i < parts.size(); ++i) {
+      complete(firsts[i], parts[i], t, thread);
+      const std::optional<Pending> now = advance(i, 0, false);
+      if (behind) catch_up(*behind);
+      behind = now;
+    }
+    if (behind) catch_up(*behind);
+  };
   if (!in_call_order) return finish;
   finish();
   return {};
@@ -201,25 +250,24 @@ c10::intrusive_ptr<c10::ivalue::Future> CompressedAllreduce::reduce(
                     "gradzip: an owner residual needs the two-phase sum; ", codec().name(),
                     " buckets are summed by one all-reduce in the wire dtype (cast_sum 'fp32' "
                     "keeps the two-phase sum)");
-  // Casts are element-wise: the chunks of a CPU cast bucket encode to the same values, and the
-  // backend sums each alone.
+  // Every chunk reads and writes its own elements of the same tensors.
   std::vector<Part> chunks;
-  for (int64_t lo = 0; const auto& part : parts) {
-    const int64_t n = part->layout().n;
-    auto slice = [&](const at::Tensor& t) { return t.defined() ? t.narrow(0, lo, n) : t; };
-    chunks.push_back({part, {slice(x), slice(residual), owner_residual, slice(x), std::nullopt}});
-    lo += n;
-  }
+  for (const auto& part : parts)
+    chunks.push_back({part, {x, residual, owner_residual, x, std::nullopt}, index,
+                      static_cast<int64_t>(chunks.size())});
   // Uncompressed: counted as the fp32 ring all-reduce whatever x's dtype, as the reference is.
   const int64_t fp32 = fp32_traffic(x.numel(), world());
   traffic_[index] = cached ? cached->traffic : std::pair{fp32, fp32};
   const bool copy_back = !bucket.is_same(x);
-  // The gather group is used on the CPU only: on CUDA everything is enqueued in call order.
+  // The gather group is used on the CPU only: on CUDA one thread enqueues everything in call
+  // order (the chunks' collectives on the group's own stream, their phases on the caller's).
   auto gather = x.is_cuda() ? c10::intrusive_ptr<c10d::ProcessGroup>() : gather_group_;
-  return launch(index, bucket, r, [group = group_, gather, guard = guard_, chunks, bucket, x,
-                                   residual, owner_residual, copy_back]() -> Finish {
+  return launch(index, bucket, parts, [group = group_, gather, guard = guard_, chunks, bucket, x,
+                                   residual, owner_residual, copy_back,
+                                   timeline = timeline_]() -> Finish {
     if (guard && !chunks.empty()) guard->save({residual, owner_residual});
-    Finish rest = !chunks.empty() ? start(group, gather, chunks) : allreduce_average(*group, x);
+    Finish rest = !chunks.empty() ? start(group, gather, chunks, timeline)
+                                  : allreduce_average(*group, x);
     return [rest, guard, bucket, x, copy_back] {
       if (rest) rest();
       if (guard) guard->flag(x);
@@ -243,7 +291,7 @@ c10::intrusive_ptr<c10::ivalue::Future> CompressedAllreduce::reduce_lowrank(
   traffic_[index] = cached.reduction->traffic();
   const bool copy_back = !bucket.is_same(x);
   const LowRankOperands operands{x, residual, q};
-  return launch(index, bucket, nullptr, [group = group_, guard = guard_, r = cached.reduction,
+  return launch(index, bucket, {}, [group = group_, guard = guard_, r = cached.reduction,
                                          bucket, operands, copy_back]() -> Finish {
     if (guard) guard->save({operands.residual, operands.q});
     auto allreduce = [&](LowRankStep step) {
@@ -284,11 +332,11 @@ c10::intrusive_ptr<c10::ivalue::Future> CompressedAllreduce::reduce_scatter(
   traffic_[index] = cached.traffic;
   // The sum is fp32; an output of another dtype receives it rounded once.
   const at::Tensor sum = output.scalar_type() == at::kFloat ? output : output.to(at::kFloat);
-  const std::vector<Part> parts{{r, {x, residual, {}, sum, static_cast<float>(prescale)}}};
-  return launch(index, output, r, [group = group_, guard = guard_, parts, output, sum,
-                                   residual]() -> Finish {
+  const std::vector<Part> parts{{r, {x, residual, {}, sum, static_cast<float>(prescale)}, index}};
+  return launch(index, output, cached.parts, [group = group_, guard = guard_, parts, output, sum,
+                                              residual, timeline = timeline_]() -> Finish {
     if (guard) guard->save({residual});
-    return [rest = start(group, {}, parts), guard, output, sum] {
+    return [rest = start(group, {}, parts, timeline), guard, output, sum] {
       if (rest) rest();
       if (guard) guard->flag(sum);
       if (!sum.is_same(output)) output.copy_(sum);
@@ -297,8 +345,7 @@ c10::intrusive_ptr<c10::ivalue::Future> CompressedAllreduce::reduce_scatter(
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> CompressedAllreduce::launch(
-    int64_t index, const at::Tensor& result, const std::shared_ptr<BucketReduction>& r,
-    std::function<Finish()> body) {
+    int64_t index, const at::Tensor& result, const Parts& watched, std::function<Finish()> body) {
   std::vector<c10::Device> devices;
   if (result.is_cuda()) devices.push_back(result.device());
   auto future = c10::make_intrusive<c10::ivalue::Future>(
@@ -330,7 +377,8 @@ c10::intrusive_ptr<c10::ivalue::Future> CompressedAllreduce::launch(
   }
   Finish rest;
   if (attempt([&] { rest = body(); })) finish(rest);
-  if (r && !future->hasError()) watch_decodes(*r, result, index);
+  if (!future->hasError())
+    for (const auto& r : watched) watch_decodes(*r, result, index);
   return future;
 }
 
@@ -362,6 +410,15 @@ void CompressedAllreduce::watch_decodes(const BucketReduction& r, const at::Tens
 #else
   (void)r, (void)result, (void)index;
 #endif
+}
+
+void CompressedAllreduce::set_timeline(bool on) {
+  timeline_ = on ? std::make_shared<Timeline>() : nullptr;
+}
+
+std::vector<Timeline::Event> CompressedAllreduce::take_timeline() {
+  TORCH_CHECK_VALUE(timeline_, "gradzip: no timeline: set_timeline(true) starts one");
+  return timeline_->take();
 }
 
 std::pair<int64_t, int64_t> CompressedAllreduce::traffic(int64_t index) const {

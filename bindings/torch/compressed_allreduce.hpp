@@ -21,11 +21,22 @@
 //     (DDP's backward pass) is never blocked by communication. Without a gather group a
 //     two-phase bucket's all-gather stays on the issuing thread (its order on `group` must not
 //     depend on timing).
-//   * CUDA tensors: everything is enqueued on the caller's current stream at once; a collective's
-//     wait() makes the stream wait for it (NCCL), the host does not. Decode errors leave a
-//     device-side status word: the bucket is filled with NaN on the device (GradScaler and the
-//     non-finite guard see it at once) and check_errors() raises the decoder's error once the
-//     stream has passed that point, without waiting for it.
+//   * CUDA tensors: everything is enqueued at once from the caller's thread, the phases on the
+//     caller's current stream, the collectives on the backend's (NCCL's communication stream,
+//     which waits by event for what the caller's stream enqueued before); a collective's wait()
+//     makes the caller's stream wait for it by event, the host does not. Chunks (below) overlap
+//     there too: chunk k+1 is encoded on the caller's stream while chunk k's all-to-all runs on
+//     the communication stream, and chunk k's owner sum and decode while later collectives run
+//     (its collectives on one stream in issue order: every all-to-all before the first
+//     all-gather). Compiled, not yet run on a GPU. Decode errors leave a device-side status
+//     word: the bucket is filled with NaN on the device (GradScaler and the non-finite guard see
+//     it at once) and check_errors() raises the decoder's error once the stream has passed that
+//     point, without waiting for it.
+// A bucket of more than `chunk` elements is reduced as consecutive chunks (BucketLayout::chunks:
+// the same bits as in one piece but for the order of a backend's sum), each chunk's phases overlapping the other chunks' collectives
+// within the bucket as well: chunk k+1 is encoded while chunk k's first collective travels, chunk
+// k's owner sum runs while chunk k+1's all-to-all travels, and chunk k is decoded while chunk
+// k+1's all-gather travels.
 // Per-bucket buffers (BucketReduction) are allocated at a bucket's first call and reused while its
 // tensor sizes stay the same.
 #pragma once
@@ -49,6 +60,7 @@
 #include "bucket_reduction.hpp"
 #include "lowrank_reduction.hpp"
 #include "nonfinite_guard.hpp"
+#include "timeline.hpp"
 
 namespace gradzip::torch_ext {
 
@@ -60,11 +72,12 @@ class CompressedAllreduce : public torch::CustomClassHolder {
   // reduce() sums fp16/bf16 buckets (bucket_reduction.hpp): one all-reduce in the wire dtype, or
   // the two-phase fp32 sum. gather_group: the same ranks as `group` in a group of their own, for
   // the two-phase all-gathers of CPU buckets (so that they overlap the next bucket's all-to-all),
-  // or null.
+  // or null. chunk: the elements of a CPU bucket's chunk (above).
   CompressedAllreduce(c10::intrusive_ptr<c10d::ProcessGroup> group, const std::string& codec,
                       c10::intrusive_ptr<NonfiniteGuard> guard = {},
                       CastSum cast_sum = CastSum::wire,
-                      c10::intrusive_ptr<c10d::ProcessGroup> gather_group = {});
+                      c10::intrusive_ptr<c10d::ProcessGroup> gather_group = {},
+                      int64_t chunk = kChunk);
   ~CompressedAllreduce() override;
 
   // Averages `bucket` (a float tensor of any float dtype) over the group. `x`: the float32 values
@@ -110,6 +123,11 @@ class CompressedAllreduce : public torch::CustomClassHolder {
   // has completed; later ones are checked at a later call). CPU errors reach the Future instead.
   void check_errors();
 
+  // The timeline of the reductions started from now on (on: a new, empty one; off: none), and its
+  // events so far, taken (a ValueError when off). For benchmarks: see timeline.hpp.
+  void set_timeline(bool on);
+  std::vector<Timeline::Event> take_timeline();
+
   // Bytes (sent, received) this rank moves in the last reduction of bucket `index` started by
   // reduce, reduce_lowrank or reduce_scatter (known once that call returns): those of the layout
   // it runs (BucketLayout::traffic, LowRankReduction::traffic), or of an fp32 ring all-reduce for
@@ -118,10 +136,10 @@ class CompressedAllreduce : public torch::CustomClassHolder {
 
   // A bucket's reduction, or the consecutive chunks it is sent in (see bucket_reductions).
   using Parts = std::vector<std::shared_ptr<BucketReduction>>;
-  // Elements per chunk of a CPU cast bucket: small enough that the encode of the next chunk and
-  // the decode of the previous one hide behind a chunk's all-reduce, large enough that a chunk's
-  // collective costs little more than its bytes.
-  static constexpr int64_t kCastChunk = int64_t{1} << 20;
+  // Elements per chunk of a CPU bucket, by default: small enough that the encode of the next chunk
+  // and the decode of the previous one hide behind a chunk's collectives, large enough that a
+  // chunk's collective costs little more than its bytes (measured: bench/torch/bench_phases.py).
+  static constexpr int64_t kChunk = int64_t{1} << 21;
 
   int64_t world() const { return group_->getSize(); }
   int64_t rank() const { return group_->getRank(); }
@@ -149,22 +167,22 @@ class CompressedAllreduce : public torch::CustomClassHolder {
     std::vector<int64_t> numels;
     std::vector<bool> exact;
     Parts parts;
-    // The whole bucket's: its chunks count as the one all-reduce they are cut from, so that the
-    // bytes do not depend on the device (CUDA buckets are not chunked).
+    // The whole bucket's: its chunks count as the reduction they are cut from (their extra
+    // message headers, 32 to 62 bytes per cut piece, are not counted), so that the bytes do not
+    // depend on the device or the chunk size (CUDA buckets are not chunked).
     std::pair<int64_t, int64_t> traffic;
   };
   // A bucket's reductions, built at its first call and reused while its layout stays: one, or the
-  // chunks of kCastChunk elements of a CPU cast bucket summed on the wire (reduce-scatter: one).
+  // chunks of a CPU bucket (BucketLayout::chunks).
   const Cached& bucket_reductions(int64_t index, const std::vector<int64_t>& numels,
                                   const std::vector<bool>& exact, const at::Tensor& x,
                                   Collective collective);
   // Runs `body` (a reduction that starts its collectives and returns what remains to leave its
   // value in `result`; neither captures `this`) on the issuing thread and its Finish on the
-  // finishing thread, or both at once on the CUDA stream (then watches r's decodes); returns the
-  // Future of `result`.
+  // finishing thread, or both at once on the CUDA stream (then watches the decodes of `watched`,
+  // the bucket's parts); returns the Future of `result`.
   c10::intrusive_ptr<c10::ivalue::Future> launch(int64_t index, const at::Tensor& result,
-                                                 const std::shared_ptr<BucketReduction>& r,
-                                                 std::function<Finish()> body);
+                                                 const Parts& watched, std::function<Finish()> body);
   // CUDA: NaN-fills `result` on the device if a decode of `r`'s last step failed, and queues the
   // host-side check of its status words for check_errors().
   void watch_decodes(const BucketReduction& r, const at::Tensor& result, int64_t index);
@@ -177,6 +195,8 @@ class CompressedAllreduce : public torch::CustomClassHolder {
   std::optional<Codec> codec_;
   c10::intrusive_ptr<NonfiniteGuard> guard_;
   CastSum cast_sum_;
+  int64_t chunk_;
+  std::shared_ptr<Timeline> timeline_;  // touched by the caller's thread; null when off
   std::unordered_map<int64_t, Cached> buckets_;  // touched by the caller's thread only
   struct CachedLowRank {
     std::vector<int64_t> numels, rows;

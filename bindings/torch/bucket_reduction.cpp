@@ -65,20 +65,29 @@ int64_t slot_bytes(const Codec& codec, const Piece& p) {
   return slot_bytes(piece_codec(codec, p.exact), p.len);
 }
 
-// The first offset at or after `t` (in a shard whose messages are `pieces`) where the shard may be
-// cut without moving a block: the end of a piece, anywhere inside an exact piece, a multiple of
-// `block` from a compressed piece's start (block 1: anywhere).
-int64_t cut_at_or_after(const std::vector<Piece>& pieces, int64_t t, int64_t block) {
-  int64_t start = 0;
-  for (const Piece& p : pieces) {
-    if (t < start + p.len) {
-      if (p.exact || t <= start) return std::max(t, start);
-      const int64_t blocks = (t - start + block - 1) / block;
-      return std::min(start + blocks * block, start + p.len);
+// The offsets at which a shard of `size` elements whose messages are `pieces` is cut into `parts`
+// chunks (0 and size included): for each k, the first offset at or after k * size / parts where
+// the shard may be cut without moving a block (a piece's start, anywhere inside an exact piece, a
+// multiple of `block` from a compressed piece's start; block 1: anywhere). Empty if two cuts
+// meet (a chunk would be empty). One walk over the pieces.
+std::vector<int64_t> shard_cuts(const std::vector<Piece>& pieces, int64_t size, int64_t parts,
+                                int64_t block) {
+  std::vector<int64_t> cuts{0};
+  size_t i = 0;
+  int64_t start = 0;  // of pieces[i]
+  for (int64_t k = 1; k < parts; ++k) {
+    const int64_t t = k * size / parts;
+    while (i < pieces.size() && t >= start + pieces[i].len) start += pieces[i++].len;
+    int64_t at = start;
+    if (t > start) {
+      const Piece& p = pieces[i];
+      at = p.exact ? t : std::min(start + (t - start + block - 1) / block * block, start + p.len);
     }
-    start += p.len;
+    if (at <= cuts.back() || at >= size) return {};
+    cuts.push_back(at);
   }
-  return start;
+  cuts.push_back(size);
+  return cuts;
 }
 
 // The pieces of [a, b) of a shard whose messages are `pieces`, each keeping its codec.
@@ -169,7 +178,7 @@ int64_t BucketLayout::window(int64_t rank) const {
 std::vector<BucketLayout> BucketLayout::chunks(const Codec& codec, int64_t elements) const {
   TORCH_CHECK_VALUE(elements >= 1, "gradzip: chunks of ", elements, " elements");
   TORCH_CHECK(count == n, "gradzip: a chunk is not cut again");
-  const int64_t wanted = (n + elements - 1) / elements;
+  const int64_t wanted = n / elements + (n % elements != 0);
   if (wanted <= 1 || collective == Collective::reduce_scatter || (!two_phase && !wire_sum))
     return {*this};
   std::vector<BucketLayout> out;
@@ -186,20 +195,23 @@ std::vector<BucketLayout> BucketLayout::chunks(const Codec& codec, int64_t eleme
   const int64_t block = visit(codec.kind(), [](auto c) { return c.block_scaled; })
                             ? static_cast<int64_t>(codec.spec().block)
                             : 1;
-  // Chunk k of shard j is [cuts[j][k], cuts[j][k + 1]); fewer chunks where a shard's cuts, moved
-  // to the next place that keeps the blocks, would leave one empty.
-  for (int64_t parts = std::min(wanted, shard_size(world - 1)); parts > 1; --parts) {
-    std::vector<std::vector<int64_t>> cuts(static_cast<size_t>(world));
-    bool empty = false;
-    for (int64_t j = 0; j < world && !empty; ++j) {
-      auto& c = cuts[j];
-      c.push_back(0);
-      for (int64_t k = 1; k < parts; ++k)
-        c.push_back(cut_at_or_after(pieces[j], k * shard_size(j) / parts, block));
-      c.push_back(shard_size(j));
-      for (size_t k = 1; k < c.size(); ++k) empty = empty || c[k] <= c[k - 1];
+  // Chunk k of shard j is [cuts[j][k], cuts[j][k + 1]). Where a shard's cuts, moved to the next
+  // place that keeps the blocks, would leave a chunk empty, fewer chunks: at most as many as the
+  // places to start one (a block of a compressed piece, an element of an exact one), then half as
+  // many at a time.
+  int64_t most = wanted;
+  for (int64_t j = 0; j < world; ++j) {
+    int64_t places = 0;
+    for (const Piece& p : pieces[j]) places += p.exact ? p.len : (p.len + block - 1) / block;
+    most = std::min(most, places);
+  }
+  for (int64_t parts = most; parts > 1; parts /= 2) {
+    std::vector<std::vector<int64_t>> cuts;
+    for (int64_t j = 0; j < world; ++j) {
+      cuts.push_back(shard_cuts(pieces[j], shard_size(j), parts, block));
+      if (cuts.back().empty()) break;
     }
-    if (empty) continue;
+    if (cuts.back().empty()) continue;
     for (int64_t k = 0; k < parts; ++k) {
       BucketLayout& c = out.emplace_back(*this);
       c.count = 0;

@@ -60,13 +60,15 @@
 // collectives (compressed_allreduce.hpp). A cast chunk is a range of the bucket; a two-phase chunk
 // is a range of every shard, cut only where the whole bucket's messages could be cut without moving
 // a block (a piece's boundary, a multiple of the block from a compressed piece's start, anywhere in
-// an exact piece or a cast's message): every block of a chunk is a block of the whole bucket, so
-// the chunks encode to the same bits as the bucket in one piece, and a two-phase bucket's chunks
-// sum and decode to them too (a cast summed on the wire is summed in the backend's own order,
-// which may depend on the sizes it is given: with W > 2 ranks the 16-bit sums may round
-// differently, as they may between backends). Each chunk's
-// messages carry their own headers (32 bytes, and up to 15 bytes of alignment per section, per
-// cut piece). Top-k (it selects over the whole bucket) is not chunked.
+// an exact piece or a cast's message): every block of a chunk is a block of the whole bucket, and
+// a piece keeps its codec (a compressed piece's last part may be shorter than kMinPiece and still
+// travel compressed, as it did inside the piece), so the chunks encode to the same bits as the
+// bucket in one piece, and a two-phase bucket's chunks sum and decode to them too. A bucket summed
+// on the wire (fp32, fp16, bf16 by default) is summed in the backend's own order, which may depend
+// on the sizes it is given: with W > 2 ranks the chunks' sums may round differently, as they may
+// between backends. Each cut adds bytes: a header (32 bytes) and its alignment per cut piece, and
+// per chunk an all-gather slot sized for its largest shard. Top-k (it selects over the whole
+// bucket) and the reduce-scatter are not chunked.
 //
 // Workspaces are allocated once, at construction; a bucket whose layout changes needs a new object.
 #pragma once

@@ -32,7 +32,8 @@ CompressedAllreduce::CompressedAllreduce(c10::intrusive_ptr<c10d::ProcessGroup> 
       cast_sum_(cast_sum),
       chunk_(chunk) {
   TORCH_CHECK_VALUE(group_, "gradzip: compressed_allreduce needs a process group");
-  TORCH_CHECK_VALUE(chunk_ >= 1, "gradzip: a chunk holds at least one element, got ", chunk_);
+  TORCH_CHECK_VALUE(chunk_ >= kMinChunk, "gradzip: a chunk holds at least ", kMinChunk,
+                    " elements (a smaller one costs a collective for a few kB), got ", chunk_);
   TORCH_CHECK_VALUE(!gather_group_ || (gather_group_->getSize() == group_->getSize() &&
                                        gather_group_->getRank() == group_->getRank()),
                     "gradzip: the gather group must hold the same ranks as the group");
@@ -94,7 +95,9 @@ const CompressedAllreduce::Cached& CompressedAllreduce::bucket_reductions(
       cached.parts[0]->gathered.device() == x.device())
     return cached;
   const BucketLayout whole(codec(), world(), numels, collective, cast_sum_, exact);
-  const std::vector<BucketLayout> layouts = whole.chunks(codec(), chunk_);
+  // CUDA: one piece (compressed_allreduce.hpp).
+  const std::vector<BucketLayout> layouts =
+      x.is_cuda() ? std::vector<BucketLayout>{whole} : whole.chunks(codec(), chunk_);
   Parts parts;
   for (const BucketLayout& layout : layouts)
     parts.push_back(std::make_shared<BucketReduction>(codec(), layout, rank(), x.options()));
@@ -259,8 +262,7 @@ c10::intrusive_ptr<c10::ivalue::Future> CompressedAllreduce::reduce(
   const int64_t fp32 = fp32_traffic(x.numel(), world());
   traffic_[index] = cached ? cached->traffic : std::pair{fp32, fp32};
   const bool copy_back = !bucket.is_same(x);
-  // The gather group is used on the CPU only: on CUDA one thread enqueues everything in call
-  // order (the chunks' collectives on the group's own stream, their phases on the caller's).
+  // The gather group is used on the CPU only: on CUDA everything is enqueued in call order.
   auto gather = x.is_cuda() ? c10::intrusive_ptr<c10d::ProcessGroup>() : gather_group_;
   return launch(index, bucket, parts, [group = group_, gather, guard = guard_, chunks, bucket, x,
                                    residual, owner_residual, copy_back,

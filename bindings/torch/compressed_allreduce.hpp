@@ -21,22 +21,21 @@
 //     (DDP's backward pass) is never blocked by communication. Without a gather group a
 //     two-phase bucket's all-gather stays on the issuing thread (its order on `group` must not
 //     depend on timing).
-//   * CUDA tensors: everything is enqueued at once from the caller's thread, the phases on the
-//     caller's current stream, the collectives on the backend's (NCCL's communication stream,
-//     which waits by event for what the caller's stream enqueued before); a collective's wait()
-//     makes the caller's stream wait for it by event, the host does not. Chunks (below) overlap
-//     there too: chunk k+1 is encoded on the caller's stream while chunk k's all-to-all runs on
-//     the communication stream, and chunk k's owner sum and decode while later collectives run
-//     (its collectives on one stream in issue order: every all-to-all before the first
-//     all-gather). Compiled, not yet run on a GPU. Decode errors leave a device-side status
-//     word: the bucket is filled with NaN on the device (GradScaler and the non-finite guard see
-//     it at once) and check_errors() raises the decoder's error once the stream has passed that
-//     point, without waiting for it.
-// A bucket of more than `chunk` elements is reduced as consecutive chunks (BucketLayout::chunks:
-// the same bits as in one piece but for the order of a backend's sum), each chunk's phases overlapping the other chunks' collectives
-// within the bucket as well: chunk k+1 is encoded while chunk k's first collective travels, chunk
-// k's owner sum runs while chunk k+1's all-to-all travels, and chunk k is decoded while chunk
-// k+1's all-gather travels.
+//   * CUDA tensors: everything is enqueued on the caller's current stream at once; a collective's
+//     wait() makes the stream wait for it (NCCL), the host does not. So a bucket's collectives
+//     also hold back the kernels the caller enqueues after it (DDP's backward pass): a
+//     communication stream of its own, synchronised by events, is not built. Decode errors leave
+//     a device-side status word: the bucket is filled with NaN on the device (GradScaler and the
+//     non-finite guard see it at once) and check_errors() raises the decoder's error once the
+//     stream has passed that point, without waiting for it.
+// A CPU bucket of more than `chunk` elements is reduced as consecutive chunks (BucketLayout::chunks:
+// the same bits as in one piece but for the order of a backend's wire-dtype sum), each chunk's
+// phases overlapping the other chunks' collectives within the bucket as well: chunk k+1 is encoded
+// while chunk k's first collective travels, chunk k's owner sum runs while chunk k+1's all-to-all
+// travels, and chunk k is decoded while chunk k+1's all-gather travels. CUDA buckets are reduced
+// in one piece until a GPU has run the chunks (their phases on the caller's stream could overlap
+// the other chunks' collectives on NCCL's; the driver runs the chunks of any device alike, so
+// that is bucket_reductions' choice alone).
 // Per-bucket buffers (BucketReduction) are allocated at a bucket's first call and reused while its
 // tensor sizes stay the same.
 #pragma once
@@ -140,6 +139,7 @@ class CompressedAllreduce : public torch::CustomClassHolder {
   // and the decode of the previous one hide behind a chunk's collectives, large enough that a
   // chunk's collective costs little more than its bytes (measured: bench/torch/bench_phases.py).
   static constexpr int64_t kChunk = int64_t{1} << 21;
+  static constexpr int64_t kMinChunk = 1024;  // the smallest `chunk` accepted
 
   int64_t world() const { return group_->getSize(); }
   int64_t rank() const { return group_->getRank(); }
@@ -167,9 +167,11 @@ class CompressedAllreduce : public torch::CustomClassHolder {
     std::vector<int64_t> numels;
     std::vector<bool> exact;
     Parts parts;
-    // The whole bucket's: its chunks count as the reduction they are cut from (their extra
-    // message headers, 32 to 62 bytes per cut piece, are not counted), so that the bytes do not
-    // depend on the device or the chunk size (CUDA buckets are not chunked).
+    // The whole bucket's: its chunks count as the reduction they are cut from, so that the bytes
+    // do not depend on the device or the chunk size. Not counted: what the cuts add (a header and
+    // its alignment per cut piece; each chunk's all-gather slot sized for its largest shard,
+    // whose cuts may sit up to a block further on than the others': at the default chunk a few
+    // kB per 26 MB int8 bucket).
     std::pair<int64_t, int64_t> traffic;
   };
   // A bucket's reductions, built at its first call and reused while its layout stays: one, or the

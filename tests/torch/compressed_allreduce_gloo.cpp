@@ -19,6 +19,7 @@
 #include <utility>
 #include <vector>
 
+#include "bucket_reduction.hpp"
 #include "compressed_allreduce.hpp"
 
 namespace {
@@ -304,48 +305,152 @@ void check_pipelined(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
   }
 }
 
-// A bucket reduced in chunks (a few hundred elements, their all-gathers on a second group, each
-// chunk's phases overlapping the next chunk's collectives) gives the bits of the bucket reduced in
-// one piece: the average, the residual and the owner's residual, over two steps of error feedback,
-// for a bucket of four tensors of odd sizes, one of them exact, and every codec that is chunked.
+// BucketLayout::chunks over random buckets (tensor sizes, exact flags, W, codecs, block sizes and
+// chunk sizes): the chunks tile every shard in order, each cut is where the whole bucket's
+// messages could be cut without moving a block (a piece's start, inside an exact piece, a multiple
+// of the block from a compressed piece's start), and every chunk piece keeps its piece's codec.
+void check_chunk_layouts() {
+  using gradzip::torch_ext::BucketLayout;
+  using gradzip::torch_ext::CastSum;
+  using gradzip::torch_ext::Piece;
+  std::mt19937 rng(7);
+  auto uniform = [&](int64_t lo, int64_t hi) {
+    return std::uniform_int_distribution<int64_t>(lo, hi)(rng);
+  };
+  const char* specs[] = {"int8", "int8:block=32", "sign", "sign:block=4096", "bf16"};
+  int64_t cut = 0, cut_in_exact = 0, fell_back = 0;
+  for (int trial = 0; trial < 400; ++trial) {
+    const std::string spec = specs[trial % 5];
+    const gradzip::Codec codec = gradzip::Codec::parse(spec);
+    const int64_t world = uniform(2, 5);
+    std::vector<int64_t> numels;
+    std::vector<bool> exact;
+    for (int64_t t = uniform(1, 6); t > 0; --t) {
+      numels.push_back(uniform(1, 3) == 1 ? uniform(1, 100) : uniform(100, 20000));
+      exact.push_back(uniform(1, 4) == 1);
+    }
+    int64_t n = 0;
+    for (const int64_t m : numels) n += m;
+    if (n < world) continue;
+    const CastSum cast_sum = spec == "bf16" ? CastSum::fp32 : CastSum::wire;
+    const BucketLayout whole(codec, world, numels, gradzip::torch_ext::Collective::allreduce,
+                             cast_sum, exact);
+    const int64_t elements = uniform(1, 3) == 1 ? uniform(1, 64) : uniform(65, 3 * n + 65);
+    const std::vector<BucketLayout> chunks = whole.chunks(codec, elements);
+    const int64_t block = spec == "bf16" ? 1 : codec.spec().block;
+    const bool wanted_more = (n + elements - 1) / elements > 1;
+    if (chunks.size() == 1) {
+      fell_back += wanted_more;
+      expect(chunks[0] == whole, spec + ": one chunk is the whole bucket");
+      continue;
+    }
+    for (int64_t j = 0; j < world; ++j) {
+      int64_t at = 0;
+      for (const BucketLayout& c : chunks) {
+        const std::string where = spec + ", W " + std::to_string(world) + ", shard " +
+                                  std::to_string(j) + ", cut " + std::to_string(at);
+        expect(c.offsets[j] == at && c.window(j) > 0, where + ": the chunks tile the shard");
+        // The whole bucket's piece holding the cut, and the chunk's pieces against it.
+        int64_t start = 0;
+        for (const Piece& p : whole.pieces[j]) {
+          if (at >= start && at < start + p.len && at > 0) {
+            const bool ok = at == start || p.exact || (at - start) % block == 0;
+            expect(ok, where + ": a cut moves no block");
+            cut += 1;
+            cut_in_exact += p.exact && at > start;
+          }
+          start += p.len;
+        }
+        int64_t pos = at;
+        for (const Piece& q : c.pieces[j]) {
+          int64_t s0 = 0;
+          for (const Piece& p : whole.pieces[j]) {
+            if (pos >= s0 && pos < s0 + p.len)
+              expect(q.exact == p.exact && pos + q.len <= s0 + p.len,
+                     where + ": a chunk piece lies in one piece and keeps its codec");
+            s0 += p.len;
+          }
+          pos += q.len;
+        }
+        at += c.window(j);
+      }
+      expect(at == whole.shard_size(j), spec + ": the chunks cover the shard");
+    }
+  }
+  expect(cut > 100 && cut_in_exact > 10 && fell_back > 10,
+         "the random buckets cut often, inside exact pieces too, and fell back to fewer chunks "
+         "(cuts " + std::to_string(cut) + ", in exact " + std::to_string(cut_in_exact) +
+             ", fell back " + std::to_string(fell_back) + ")");
+}
+
+// A bucket reduced in chunks (a few hundred elements, each chunk's phases overlapping the next
+// chunk's collectives) gives the bits of the bucket reduced in one piece: the average, the residual
+// and the owner's residual, over two steps of error feedback, for every codec that is chunked, on
+// buckets of tensors of odd sizes with an exact one (cut inside it in the second bucket), with the
+// all-gathers on a second group and in call order on the first; a block of 4096 leaves fewer chunks
+// than the seven asked for.
 void check_chunked(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
                    const c10::intrusive_ptr<c10d::ProcessGroup>& gather) {
   using gradzip::torch_ext::BucketLayout;
   using gradzip::torch_ext::CastSum;
-  const std::vector<int64_t> numels{3001, 50, 5000, kN - 8051};
-  const std::vector<bool> exact{false, true, false, false};
   constexpr int64_t kChunk = 1500;
+  bool threw = false;
+  try {
+    CompressedAllreduce tiny(group, "int8", {}, CastSum::wire, {}, 100);
+  } catch (const c10::ValueError&) {
+    threw = true;
+  }
+  expect(threw, "a chunk of fewer than 1024 elements is a ValueError");
   const std::vector<int64_t> starts = gradzip::torch_ext::shard_starts(kN, kWorld);
   const int64_t shard = starts[my_rank + 1] - starts[my_rank];
-  for (const auto& [codec, cast_sum] :
-       {std::pair{"int8", CastSum::wire}, std::pair{"sign:block=256", CastSum::wire},
-        std::pair{"bf16", CastSum::fp32}, std::pair{"bf16", CastSum::wire}}) {
-    const std::string name = std::string(codec) + (cast_sum == CastSum::fp32 ? " (fp32 sum)" : "");
-    const gradzip::Codec parsed = gradzip::Codec::parse(codec);
-    const BucketLayout whole(parsed, kWorld, numels, gradzip::torch_ext::Collective::allreduce,
-                             cast_sum, exact);
-    const std::vector<BucketLayout> chunks = whole.chunks(parsed, kChunk);
-    int64_t carried = 0;
-    for (const BucketLayout& c : chunks) carried += c.count;
-    expect(chunks.size() > 1 && carried == kN,
-           name + ": cut into chunks that carry every element once");
-    const bool two_phase = whole.two_phase;
-    CompressedAllreduce one_piece(group, codec, {}, cast_sum, {}, int64_t{1} << 40);
-    CompressedAllreduce chunked(group, codec, {}, cast_sum, gather, kChunk);
-    at::Tensor res1 = at::zeros({kN}), res2 = at::zeros({kN});
-    at::Tensor own1 = two_phase ? at::zeros({shard}) : at::Tensor();
-    at::Tensor own2 = two_phase ? at::zeros({shard}) : at::Tensor();
-    for (int step = 0; step < 2; ++step) {
-      at::Tensor g1 = to_tensor(gradient(my_rank, 20 + step)), g2 = g1.clone();
-      one_piece.reduce(0, g1, g1, numels, res1, own1, true, exact)->wait();
-      chunked.reduce(0, g2, g2, numels, res2, own2, true, exact)->wait();
-      expect(values(g1) == values(g2) && values(res1) == values(res2) &&
-                 (!two_phase || values(own1) == values(own2)),
-             name + ", step " + std::to_string(step) +
-                 ": the chunked bucket gives the bits of the bucket in one piece");
+  const std::vector<std::pair<std::vector<int64_t>, std::vector<bool>>> buckets{
+      {{3001, 50, 5000, kN - 8051}, {false, true, false, false}},
+      {{3001, 4000, kN - 7001}, {false, true, false}}};
+  for (const auto& [numels, exact] : buckets) {
+    for (const auto& [codec, cast_sum] :
+         {std::pair{"int8", CastSum::wire}, std::pair{"sign:block=256", CastSum::wire},
+          std::pair{"sign:block=4096", CastSum::wire}, std::pair{"bf16", CastSum::fp32},
+          std::pair{"bf16", CastSum::wire}, std::pair{"fp32", CastSum::wire}}) {
+      const std::string name = std::string(codec) + (cast_sum == CastSum::fp32 ? " (fp32 sum)" : "") +
+                               ", " + std::to_string(numels.size()) + " tensors";
+      const gradzip::Codec parsed = gradzip::Codec::parse(codec);
+      const BucketLayout whole(parsed, kWorld, numels, gradzip::torch_ext::Collective::allreduce,
+                               cast_sum, exact);
+      const std::vector<BucketLayout> chunks = whole.chunks(parsed, kChunk);
+      int64_t carried = 0;
+      for (const BucketLayout& c : chunks) carried += c.count;
+      // A block of 4096 leaves two chunks of the first bucket, and none of the second: each shard
+      // of it ends in a compressed piece of a single block, which no cut may enter.
+      const size_t expected = std::string(codec) != "sign:block=4096" ? 7 : numels.size() == 4 ? 2 : 1;
+      expect(chunks.size() == expected && carried == kN,
+             name + ": cut into " + std::to_string(chunks.size()) + " chunks that carry every "
+             "element once");
+      const bool two_phase = whole.two_phase;
+      CompressedAllreduce one_piece(group, codec, {}, cast_sum, {}, int64_t{1} << 40);
+      CompressedAllreduce chunked(group, codec, {}, cast_sum, gather, kChunk);
+      CompressedAllreduce in_call_order(group, codec, {}, cast_sum, {}, kChunk);
+      std::vector<at::Tensor> res, own;
+      for (int way = 0; way < 3; ++way) {
+        res.push_back(at::zeros({kN}));
+        own.push_back(two_phase ? at::zeros({shard}) : at::Tensor());
+      }
+      for (int step = 0; step < 2; ++step) {
+        const at::Tensor g = to_tensor(gradient(my_rank, 20 + step));
+        std::vector<at::Tensor> out;
+        CompressedAllreduce* ways[] = {&one_piece, &chunked, &in_call_order};
+        for (int way = 0; way < 3; ++way) {
+          out.push_back(g.clone());
+          ways[way]->reduce(0, out[way], out[way], numels, res[way], own[way], true, exact)
+              ->wait();
+        }
+        for (int way = 1; way < 3; ++way)
+          expect(values(out[0]) == values(out[way]) && values(res[0]) == values(res[way]) &&
+                     (!two_phase || values(own[0]) == values(own[way])),
+                 name + ", step " + std::to_string(step) +
+                     (way == 1 ? ", all-gathers on a second group" : ", in call order") +
+                     ": the chunked bucket gives the bits of the bucket in one piece");
+      }
     }
-    expect(chunked.traffic(0) == one_piece.traffic(0),
-           name + ": the chunks report the whole bucket's bytes");
   }
 }
 
@@ -359,6 +464,7 @@ int run_rank(int rank, const std::string& store_path) {
   group->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO, gloo);
   group->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
 
+  if (rank == 0) check_chunk_layouts();  // no collectives: one rank is enough
   check_casts_and_fallback(group);
   check_int8_and_sign(group);
   check_topk(group);

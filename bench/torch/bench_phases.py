@@ -26,6 +26,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from gradzip import wire
 
 import loopback_ranks
 
@@ -51,47 +52,57 @@ def groups(world):
 
 
 def runtime(codec, cast_sum, chunk, private, gather):
-    two_phase = codec not in ("fp32", "fp16", "bf16") or cast_sum == "fp32"
-    two_phase = two_phase and not codec.startswith("topk")
+    """The hook's reduction (CompressedAllreduce), its all-gathers on `gather` where it has them."""
+    two_phase = wire.allreduce_collective(wire.parse_spec(codec).kind, cast_sum) == "two_phase"
     return torch.classes.gradzip.CompressedAllreduce(
         private.group_name, codec, None, cast_sum, gather.group_name if two_phase else "", chunk)
 
 
+def row_name(codec, cast_sum):
+    return codec if cast_sum == "wire" else f"{codec} cast_sum={cast_sum}"
+
+
+class Bucket:
+    """One bucket of n floats, a weight and its bias as a Linear layer's, this rank's values x0;
+    x the buffer reduced in place, refilled from x0 before each reduction."""
+
+    def __init__(self, rank, n):
+        self.numels = [n - n // 1025, n // 1025]
+        self.x0 = torch.randn(n, generator=torch.Generator().manual_seed(rank))
+        self.x = self.x0.clone()
+
+    def reduce(self, reduction, residual):
+        """One whole reduction by `reduction`, waited for."""
+        self.x.copy_(self.x0)
+        reduction.reduce(0, self.x, self.x, self.numels, residual, None, True, []).wait()
+
+
 def chunk_sweep(rank, world, args):
     """{codec row: {chunk: median ms of the whole reduction}}."""
-    n = args.numel
-    numels = [n - n // 1025, n // 1025]
-    x0 = torch.randn(n, generator=torch.Generator().manual_seed(rank))
-    x, residual = x0.clone(), torch.zeros(n)
+    b = Bucket(rank, args.numel)
+    residual = torch.zeros(args.numel)
     private, gather = groups(world)
-    copy = timed(lambda: x.copy_(x0), args.reps)
+    copy = timed(lambda: b.x.copy_(b.x0), args.reps)
     rows = {}
     for codec, cast_sum in CODECS:
-        name = codec if cast_sum == "wire" else f"{codec} cast_sum={cast_sum}"
         for chunk in args.chunks:
             red = runtime(codec, cast_sum, chunk, private, gather)
-
-            def whole():
-                x.copy_(x0)
-                red.reduce(0, x, x, numels, residual, None, True, []).wait()
-            rows.setdefault(name, {})[chunk] = timed(whole, args.reps) - copy
+            rows.setdefault(row_name(codec, cast_sum), {})[chunk] = (
+                timed(lambda: b.reduce(red, residual), args.reps) - copy)
     return rows
 
 
 def timeline(rank, world, args):
     """Rank 0's events of the median of --reps reductions of one bucket, and that median (ms)."""
-    n = args.numel
-    numels = [n - n // 1025, n // 1025]
-    x0 = torch.randn(n, generator=torch.Generator().manual_seed(rank))
-    x, residual = x0.clone(), torch.zeros(n)
+    b = Bucket(rank, args.numel)
+    residual = torch.zeros(args.numel)
     private, gather = groups(world)
     red = runtime(args.timeline, "wire", args.chunk, private, gather)
     runs = []
     for _ in range(args.reps + 2):
-        x.copy_(x0)
         dist.barrier()
         red.set_timeline(True)
-        red.reduce(0, x, x, numels, residual, None, True, []).wait()
+        b.reduce(red, residual)
         events = red.take_timeline()
         runs.append((max(e[5] for e in events), events))
     runs = sorted(runs[2:], key=lambda r: r[0])
@@ -133,10 +144,8 @@ def print_timeline(events, total, width):
 
 def worker(rank, world, args):
     n = args.numel
-    numels = [n - n // 1025, n // 1025]  # a weight and its bias, as a Linear layer's bucket
-    g = torch.Generator().manual_seed(rank)
-    x0 = torch.randn(n, generator=g)
-    x = x0.clone()
+    b = Bucket(rank, n)
+    x0, x, numels = b.x0, b.x, b.numels
     rows = []
     four_x = [x0.clone() for _ in range(4)]
 
@@ -153,22 +162,19 @@ def worker(rank, world, args):
         chunked = runtime(codec, cast_sum, args.chunk, private, gather)
         one_piece = runtime(codec, cast_sum, 2**62, private, gather)
 
-        def whole(reduction):
-            x.copy_(x0)
-            reduction.reduce(0, x, x, numels, residual, None, True, []).wait()
         # Each step of the bucket in one piece, from the reduction's own timeline (a collective:
         # from its start to the return of its wait); the medians over the runs.
         one_piece.set_timeline(True)
         per_step = {}
         for _ in range(args.reps + 2):
             dist.barrier()
-            whole(one_piece)
+            b.reduce(one_piece, residual)
             for _, _, step, _, t0, t1 in one_piece.take_timeline():
                 per_step.setdefault(step, []).append(t1 - t0)
         one_piece.set_timeline(False)
         phases = {step: statistics.median(d[2:]) for step, d in per_step.items()}
-        phases["total"] = timed(lambda: whole(chunked), args.reps) - copy
-        phases["one piece"] = timed(lambda: whole(one_piece), args.reps) - copy
+        phases["total"] = timed(lambda: b.reduce(chunked, residual), args.reps) - copy
+        phases["one piece"] = timed(lambda: b.reduce(one_piece, residual), args.reps) - copy
         xs = [x0.clone() for _ in range(4)]
         residuals = [torch.zeros(n) for _ in xs]
 
@@ -180,7 +186,7 @@ def worker(rank, world, args):
             for f in futures:
                 f.wait()
         phases["4 buckets, per bucket"] = (timed(four, args.reps) - 4 * copy) / 4
-        rows.append((codec if cast_sum == "wire" else f"{codec} cast_sum={cast_sum}", phases))
+        rows.append((row_name(codec, cast_sum), phases))
     return rows
 
 

@@ -145,8 +145,7 @@ BucketLayout::BucketLayout(const Codec& codec, int64_t world_, const std::vector
   count = n;
   if (!two_phase) {
     offsets = {0};
-    slot = slot_bytes(codec, n);
-    if (wire_sum) summed_bytes = payload_bytes(codec, n);
+    size_messages(codec);
     return;
   }
   TORCH_CHECK_VALUE(n >= world, "gradzip: a bucket of ", n, " elements cannot be sharded over ",
@@ -159,10 +158,21 @@ BucketLayout::BucketLayout(const Codec& codec, int64_t world_, const std::vector
   }
   starts = shard_starts(n, world);
   offsets.assign(static_cast<size_t>(world), 0);
-  for (int64_t j = 0; j < world; ++j) {
+  for (int64_t j = 0; j < world; ++j)
     pieces.push_back(shard_pieces(starts[j], starts[j + 1], ends, flags, block_scaled));
+  size_messages(codec);
+}
+
+void BucketLayout::size_messages(const Codec& codec) {
+  if (!two_phase) {
+    slot = slot_bytes(codec, count);
+    if (wire_sum) summed_bytes = payload_bytes(codec, count);
+    return;
+  }
+  shard_bytes.clear();
+  for (const std::vector<Piece>& shard : pieces) {
     int64_t bytes = 0;
-    for (const Piece& p : pieces.back()) bytes += slot_bytes(codec, p);
+    for (const Piece& p : shard) bytes += slot_bytes(codec, p);
     shard_bytes.push_back(bytes);
   }
   if (collective == Collective::allreduce)
@@ -187,8 +197,7 @@ std::vector<BucketLayout> BucketLayout::chunks(const Codec& codec, int64_t eleme
       BucketLayout& c = out.emplace_back(*this);
       c.offsets = {lo};
       c.count = std::min(elements, n - lo);
-      c.slot = slot_bytes(codec, c.count);
-      c.summed_bytes = payload_bytes(codec, c.count);
+      c.size_messages(codec);
     }
     return out;
   }
@@ -218,11 +227,9 @@ std::vector<BucketLayout> BucketLayout::chunks(const Codec& codec, int64_t eleme
       for (int64_t j = 0; j < world; ++j) {
         c.offsets[j] = cuts[j][k];
         c.pieces[j] = pieces_within(pieces[j], cuts[j][k], cuts[j][k + 1]);
-        c.shard_bytes[j] = 0;
-        for (const Piece& p : c.pieces[j]) c.shard_bytes[j] += slot_bytes(codec, p);
         c.count += cuts[j][k + 1] - cuts[j][k];
       }
-      c.slot = *std::max_element(c.shard_bytes.begin(), c.shard_bytes.end());
+      c.size_messages(codec);
     }
     return out;
   }

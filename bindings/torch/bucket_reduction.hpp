@@ -152,6 +152,10 @@ struct BucketLayout {
   // Bytes (sent, received) of one rank for this bucket: the sum over `steps` (an uncompressed
   // bucket: see fp32_traffic).
   std::pair<int64_t, int64_t> traffic(int64_t rank) const;
+
+ private:
+  // shard_bytes and slot from `pieces` (two-phase), or slot and summed_bytes from `count`.
+  void size_messages(const Codec& codec);
 };
 
 // Shard j of a two-phase bucket is [starts[j], starts[j + 1]): n // W + 1 elements for the first

@@ -24,6 +24,10 @@ CASES = [("int8", "wire"), ("sign:block=128", "wire"), ("bf16", "fp32"), ("bf16"
 TWO_PHASE_STEPS = ["encode", "all-to-all", "owner sum + re-encode", "all-gather", "decode"]
 
 
+def two_phase(codec, cast_sum):
+    return cast_sum == "fp32" or codec.split(":")[0] in ("int8", "sign")
+
+
 def reduce_both_ways(rank, world, outdir):
     n = sum(NUMELS)
     shard = n // world + (1 if rank < n % world else 0)
@@ -31,14 +35,14 @@ def reduce_both_ways(rank, world, outdir):
               for _ in range(3)]
     out = {}
     for codec, cast_sum in CASES:
-        two_phase = cast_sum == "fp32" or codec.split(":")[0] in ("int8", "sign")
+        sharded = two_phase(codec, cast_sum)
         one_piece = torch.classes.gradzip.CompressedAllreduce(
             groups[0].group_name, codec, None, cast_sum, "", 2**40)
         chunked = torch.classes.gradzip.CompressedAllreduce(
-            groups[1].group_name, codec, None, cast_sum, groups[2].group_name if two_phase else "",
+            groups[1].group_name, codec, None, cast_sum, groups[2].group_name if sharded else "",
             CHUNK)
         chunked.set_timeline(True)
-        states = {way: (torch.zeros(n), torch.zeros(shard) if two_phase else None)
+        states = {way: (torch.zeros(n), torch.zeros(shard) if sharded else None)
                   for way in ("one", "chunked")}
         runs = []
         for step in range(2):
@@ -101,8 +105,7 @@ def test_timeline_holds_every_step_of_every_chunk_in_order(results, case):
     parts = sorted({e[1] for e in events})
     assert len(parts) > 1, "the bucket was cut into chunks"
     assert parts == list(range(len(parts)))
-    two_phase = case.split()[1] == "fp32" or case.split(":")[0].split()[0] in ("int8", "sign")
-    steps = TWO_PHASE_STEPS if two_phase else ["encode", "all-reduce", "decode"]
+    steps = TWO_PHASE_STEPS if two_phase(*case.split()) else ["encode", "all-reduce", "decode"]
     for part in parts:
         mine = sorted((e for e in events if e[1] == part), key=lambda e: e[4])
         assert [e[2] for e in mine] == steps * 2, f"chunk {part}: {[e[2] for e in mine]}"

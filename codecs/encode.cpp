@@ -63,13 +63,14 @@ void detail::check_encode_args(const char* api, const Codec& codec, const float*
   const size_t need = codec.encoded_bytes(n);  // also range-checks n
   if (n > 0 && in == nullptr) fail("input is null");
   if (out == nullptr) fail("output is null");
-  const std::string for_n = ", " + codec.name() + " needs ";
+  // Built only on failure: a call that passes its checks allocates nothing.
+  auto for_n = [&] { return ", " + codec.name() + " needs "; };
   if (out_bytes < need)
-    fail("output buffer too small: " + std::to_string(out_bytes) + " bytes" + for_n +
+    fail("output buffer too small: " + std::to_string(out_bytes) + " bytes" + for_n() +
          std::to_string(need) + " for n=" + std::to_string(n));
   if (ws_need > 0 && (workspace == nullptr || workspace_bytes < ws_need))
     fail("workspace too small: " + std::to_string(workspace == nullptr ? 0 : workspace_bytes) +
-         " bytes" + for_n + std::to_string(ws_need) + " for n=" + std::to_string(n) +
+         " bytes" + for_n() + std::to_string(ws_need) + " for n=" + std::to_string(n) +
          " (Codec::workspace_bytes)");
 }
 

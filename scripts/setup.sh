@@ -37,5 +37,7 @@ if [[ ! -f "$venv/.complete" ]]; then
 fi
 # Tools only the checks use, kept out of requirements.txt so that adding one does not rebuild the
 # venv (named after that file's hash). A pinned version already there costs no download.
-"$venv/bin/python" -m pip install -q "ruff==0.17.5" >&2
+# accelerate: a client the tests run (docs/guide.md's Hugging Face Accelerate example), pinned here
+# like the checkers, not an extra: gradzip does not import it.
+"$venv/bin/python" -m pip install -q "ruff==0.17.5" "accelerate==1.15.0" >&2
 echo "$venv"

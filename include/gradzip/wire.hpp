@@ -5,7 +5,7 @@
 // model's copy (bindings/python/gradzip/wire.py) is checked against them by tests/python.
 //
 // A 32-byte little-endian header followed by the codec's payload. It is an API: a change of
-// layout bumps kWireVersion. Documented in README.md ("Wire format").
+// layout bumps kWireVersion. Documented in docs/wire-format.md.
 //
 //   offset size field
 //        0    4 magic          'G','Z','I','P' (0x50495A47 little-endian)

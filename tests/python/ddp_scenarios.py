@@ -293,7 +293,7 @@ def overflow_one(rank, world, outdir, codec):
 def checkpoint_resume_one(rank, world, outdir, codec):
     """Uninterrupted 5 steps vs 2 steps, checkpoint (model, optimizer, hook state), fresh DDP,
     3 steps. find_unused_parameters=True: DDP never rebuilds its buckets, so the resumed run has the
-    saved bucket layout (see the README: residuals are keyed by bucket index and layout)."""
+    saved bucket layout (docs/guide.md, "What the hook guarantees": residuals are keyed by bucket index and layout)."""
     cfg = {"find_unused": True}
 
     def setup(model):
@@ -381,7 +381,7 @@ def pickle_resume_one(rank, world, outdir, codec, optimizer):
     opt2.load_state_dict(saved["opt"])
     state2 = saved["hook"]
     if optimizer is not None:
-        opt2.attached = True  # the loaded state computes this optimizer's direction
+        state2.attach(opt2)  # the loaded state computes this optimizer's direction
     ddp2.register_comm_hook(state2, compress_hook)
     run(ddp2, opt2, range(3, 6))
     torch.save({"uninterrupted": uninterrupted, "resumed": [p.detach().clone() for p in model2.parameters()],

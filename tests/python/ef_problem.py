@@ -53,12 +53,14 @@ def make_optimizer(name: str, params, compressed: bool, lr: float | None = None)
 
 
 def train(codec: str, optimizer: str, error_feedback: bool, direction: bool, seed: int = 0,
-          steps: int = STEPS, lr: float | None = None, warmup_steps: int | None = None):
+          steps: int = STEPS, lr: float | None = None, warmup_steps: int | None = None,
+          max_grad_norm: float | None = None):
     """Trains with ``codec``; ``direction``: gradzip.optim's optimizer computes what is compressed,
     else the gradient is (compress_hook's default). ``warmup_steps``: the uncompressed first steps
-    (None: FROZEN_VARIANCE_WARMUP for FrozenVarianceAdamW, else none). Returns (final loss on all
-    data, largest ratio of a worker's residual norm to the averaged gradient's norm, over the
-    steps)."""
+    (None: FROZEN_VARIANCE_WARMUP for FrozenVarianceAdamW, else none). ``max_grad_norm``: clipping
+    where the loop can clip (``clip_grad_norm_`` on the averaged gradient before step(); with
+    ``direction``, each worker's gradient in the reduction). Returns (final loss on all data,
+    largest ratio of a worker's residual norm to the averaged gradient's norm, over the steps)."""
     x, y = data(seed)
     net = model(seed)
     params = list(net.parameters())
@@ -66,7 +68,8 @@ def train(codec: str, optimizer: str, error_feedback: bool, direction: bool, see
     if warmup_steps is None:
         warmup_steps = FROZEN_VARIANCE_WARMUP if isinstance(opt, FrozenVarianceAdamW) else 0
     sim = SimulatedWorkers(codec, WORKERS, error_feedback=error_feedback, min_compress_numel=0,
-                           warmup_steps=warmup_steps, optimizer=opt if direction else None)
+                           warmup_steps=warmup_steps, optimizer=opt if direction else None,
+                           max_grad_norm=max_grad_norm if direction else None)
     numels = [p.numel() for p in params]
     loss_fn = torch.nn.functional.cross_entropy
     gen = torch.Generator().manual_seed(seed + 1)
@@ -88,6 +91,8 @@ def train(codec: str, optimizer: str, error_feedback: bool, direction: bool, see
         for p in params:
             p.grad = avg[off:off + p.numel()].view_as(p).clone()
             off += p.numel()
+        if max_grad_norm is not None and not direction:
+            torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
         opt.step()
     with torch.no_grad():
         loss = float(loss_fn(net(x), y))

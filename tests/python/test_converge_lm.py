@@ -172,3 +172,14 @@ def test_the_cpu_lm_suite_and_what_a_language_model_refuses(tmp_path):
         load_data(replace(TINY, data="procedural"))
     with pytest.raises(ValueError, match="no pretrained encoder"):
         make_model(replace(TINY, weights="dinov2.pth"), torch.device("cpu"))
+
+
+def test_a_suite_whose_fp32_run_is_named_otherwise_pairs_with_it():
+    """cpu-lm-clip's reference is "fp32+gclip1" (clipped as the other runs are)."""
+    results = [{"run": run, "codec": codec, "error_feedback": codec != "fp32", "seed": 0,
+                "val_loss": loss}
+               for run, codec, loss in (("fp32+gclip1", "fp32", 2.0), ("sign+gclip1", "sign", 2.1))]
+    evals = [{"run": r["run"], "seed": 0, "step": 10, "val_loss": r["val_loss"]} for r in results]
+    assert report.baseline_run(results) == "fp32+gclip1"
+    assert report.tail_vs_fp32(report.eval_curves(evals), "sign+gclip1", 0, "val_loss",
+                               report.baseline_run(results)) == pytest.approx(5.0)

@@ -27,7 +27,8 @@ def check_replicas_and_reference(runs, codec, world, min_numel=32, warmup=0, opt
     updates). Uncompressed steps are the backend's fp32 all-reduce, whose summation order for
     W >= 3 is not the simulation's: they agree to rounding, and FrozenVarianceAdamW's one state,
     updated from those averages, carries the last-bit difference on, so with it the compressed
-    steps are compared bit for bit at W = 2 only (where a sum of two is the same either way).
+    steps are compared bit for bit at W = 2 only (where a sum of two is the same either way), and
+    above that on 99 % of the elements (the rest sit on a rounding boundary of the codec).
     fp32/fp16/bf16 summed on the wire by Gloo: to the wire dtype's rounding of the W-term sum
     (test_cast_allreduce.py has the 16-bit casts' float64 reference)."""
     for r in range(1, world):
@@ -57,7 +58,10 @@ def check_replicas_and_reference(runs, codec, world, min_numel=32, warmup=0, opt
             if not state_from_averages or step == 0:
                 torch.testing.assert_close(out0, expected, rtol=tol[0], atol=tol[1])
         elif state_from_averages:
-            pass  # the replicas' equality above is what holds
+            # the one state carries the warm-up's last-bit difference: the codec's rounding can
+            # differ where a value sits on a decision boundary (a sign, an int8 step), and only there
+            near = (out0 - expected).abs() <= 1e-4 * float(expected.abs().max())
+            assert float(near.float().mean()) >= 0.99, f"{codec}: step {step} bucket {index}"
         elif sim.config.plan.wire_sum:
             # |payload| <= (1 + u) |g| / W; each sum, Gloo's and the simulation's, within (W-1) u
             u = {"fp32": 2.0 ** -24, "fp16": 2.0 ** -11, "bf16": 2.0 ** -8}[codec]

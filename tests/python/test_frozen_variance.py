@@ -52,6 +52,42 @@ def test_against_a_float64_frozen_variance_adam():
     assert clipped > 0  # the clip is exercised
 
 
+def test_variance_refreshes_against_a_float64_adam():
+    """0/1 Adam's schedule (refresh_until, refreshes_per_doubling): after a 2-step warm-up, steps
+    2, 3 (gap 1), 4, 6 (gap 2), 8, 12 (gap 4) average the gradient exactly and update m and v (v's
+    bias correction counts its own updates), the others compress the momentum over the latest
+    denominator; from refresh_until on, v stays frozen. A float64 Adam written here, with the
+    schedule spelled out."""
+    b1, b2, eps, n, warmup = 0.8, 0.95, 1e-6, 777, 2
+    exact = {0, 1, 2, 3, 4, 6, 8, 12}
+    opt = FrozenVarianceAdamW([torch.nn.Parameter(torch.zeros(1))], betas=(b1, b2), eps=eps,
+                              refresh_until=14, refreshes_per_doubling=2)
+    assert opt.direction.refresh_steps(warmup) == exact - {0, 1}
+    sim = SimulatedWorkers("fp32", 2, warmup_steps=warmup, min_compress_numel=0, optimizer=opt)
+    g = torch.Generator().manual_seed(6)
+    m = torch.zeros(n, dtype=torch.float64)
+    v = torch.zeros(n, dtype=torch.float64)
+    bound = (1 - b1) / (1 - b2) ** 0.5
+    updates = 0
+    for step in range(18):
+        t = step + 1
+        grads = [torch.randn(n, generator=g) * (1 + step % 3) for _ in range(2)]
+        if step in exact:
+            updates += 1
+            mean = (grads[0].double() + grads[1].double()) / 2
+            m = b1 * m + (1 - b1) * mean
+            v = b2 * v + (1 - b2) * mean ** 2
+            want = (m / (1 - b1 ** t)) / ((v / (1 - b2 ** updates)).sqrt() + eps)
+        else:
+            denom = (v / (1 - b2 ** updates)).sqrt() + eps
+            u = sum(((b1 * m + (1 - b1) * x.double()) / denom).clamp(-bound, bound)
+                    for x in grads) / 2
+            m = u * denom
+            want = u / (1 - b1 ** t)
+        assert sim.config.compresses(step, n, 2) == (step not in exact)
+        torch.testing.assert_close(sim.reduce(grads).double(), want, rtol=2e-5, atol=1e-6)
+
+
 def test_a_coordinate_silent_through_the_warmup_steps_at_most_adams_bound():
     """v = 0 for a coordinate whose gradient was zero through the warm-up (a dead ReLU unit): its
     first gradient after the freeze moves it by at most (1 - b1) / sqrt(1 - b2) (over the
@@ -144,15 +180,20 @@ def _train_ranks(rank, world, outdir):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     result = {}
-    for name in ("gradzip", "bf16_warmup", "lowrank", "twin"):
+    for name in ("gradzip", "bf16_warmup", "lowrank", "int8_refresh", "twin"):
         model = _model()
         ddp = DDP(model, bucket_cap_mb=0.004)
         if name != "twin":
-            opt = FrozenVarianceAdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+            # int8_refresh: 0/1 Adam's schedule, variance refreshes at steps 1, 2, 3 (gaps 1, 1)
+            # and 5 (gap 2) after a 1-step warm-up, all in two-phase int8
+            refresh = {"refresh_until": 6, "refreshes_per_doubling": 2} \
+                if name == "int8_refresh" else {}
+            opt = FrozenVarianceAdamW(model.parameters(), lr=1e-2, weight_decay=0.01, **refresh)
             codec = "lowrank:2" if name == "lowrank" else "sign"
-            state = CompressionState(codec, warmup_steps=WARMUP, min_compress_numel=32,
-                                     optimizer=opt,
-                                     warmup_codec="bf16" if name == "bf16_warmup" else None)
+            warmup_codec = {"bf16_warmup": "bf16", "int8_refresh": "int8"}.get(name)
+            state = CompressionState(codec, warmup_steps=1 if refresh else WARMUP,
+                                     min_compress_numel=32, optimizer=opt,
+                                     warmup_codec=warmup_codec)
             ddp.register_comm_hook(state, compress_hook)
         else:
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
@@ -176,11 +217,13 @@ def _train_ranks(rank, world, outdir):
 @pytest.mark.parametrize("world", [2, 3])
 def test_ddp_replicas_and_states_identical_and_warmup_is_adamw(world, tmp_path):
     """With the warm-up in fp32 and in bf16 (warmup_codec: the backend's bf16 sum gives every
-    rank the same average, so the one state stays identical), and with lowrank:2 carrying the
-    momentum (two all-reduces of its factors)."""
+    rank the same average, so the one state stays identical), with lowrank:2 carrying the
+    momentum (two all-reduces of its factors), and with 0/1 Adam's variance refreshes in int8
+    (exact steps between compressed ones; the two-phase int8 average is the same on every
+    rank)."""
     run_ranks(_train_ranks, world, str(tmp_path), timeout=240)
     runs = [torch.load(tmp_path / f"fva_{r}.pt", weights_only=False) for r in range(world)]
-    for name in ("gradzip", "bf16_warmup", "lowrank"):
+    for name in ("gradzip", "bf16_warmup", "lowrank", "int8_refresh"):
         for r in range(1, world):
             for a, b in zip(runs[0][name][-1], runs[r][name][-1]):
                 assert torch.equal(a, b), f"{name}: replica {r} differs"
@@ -204,3 +247,6 @@ def test_ddp_replicas_and_states_identical_and_warmup_is_adamw(world, tmp_path):
     assert float((off > 0.05 * lr).float().mean()) < 0.02
     assert runs[0]["gradzip_stats"][WARMUP - 1]["compression_ratio"] == 1.0
     assert 1.9 < runs[0]["bf16_warmup_stats"][WARMUP - 1]["compression_ratio"] <= 2.0
+    # the warm-up and the refreshes (steps 0-3, 5) travel in int8 (~3.5x), the others in sign
+    ratios = [st["compression_ratio"] for st in runs[0]["int8_refresh_stats"]]
+    assert [r < 5 for r in ratios] == [True, True, True, True, False, True, False], ratios

@@ -1,4 +1,4 @@
-// The compressed all-reduce (and FSDP's reduce-scatter) from C++ alone, as the README's C++ section shows it: 2 processes, a
+// The compressed all-reduce (and FSDP's reduce-scatter) from C++ alone, as docs/cpp.md shows it: 2 processes, a
 // ProcessGroupGloo over a FileStore, error feedback on libtorch tensors. Every result is checked
 // against a float64 reference computed here from both ranks' gradients (each process can draw
 // both: they come from seeded generators).

@@ -107,17 +107,20 @@ class BucketState:
     ``q``: lowrank:``q_rank``'s Q factors of the bucket's parameters (see q_offsets), the warm start
     of the next step, identical on every rank."""
 
-    __slots__ = ("layout", "residual", "owner_residual", "owner_start", "moments", "updates", "q",
-                 "q_rank")
+    __slots__ = ("layout", "residual", "owner_residual", "owner_start", "moments", "updates",
+                 "exact_updates", "q", "q_rank")
 
     def __init__(self, layout, residual, owner_residual=None, owner_start: int = 0, moments=(),
-                 updates: int = 0, q=None, q_rank: int = 0):
+                 updates: int = 0, q=None, q_rank: int = 0, exact_updates: Optional[int] = 0):
         self.layout = layout
         self.residual = residual
         self.owner_residual = owner_residual
         self.owner_start = int(owner_start)
         self.moments = list(moments)
         self.updates = updates  # steps the moments have seen (bias correction)
+        # of those, the steps averaged exactly (a frozen-variance Adam's variance updates); None:
+        # unknown (a checkpoint of an older gradzip)
+        self.exact_updates = exact_updates
         self.q, self.q_rank = q, int(q_rank)
 
     def tensors(self) -> list:
@@ -195,6 +198,8 @@ class StateStore:
                 continue
             src, soff = found[0], found[1]
             st.updates = max(st.updates, src.updates)
+            st.exact_updates = (None if src.exact_updates is None or st.exact_updates is None
+                                else max(st.exact_updates, src.exact_updates))
             for dst_t, src_t in [(st.residual, src.residual)] + list(zip(st.moments, src.moments)):
                 if dst_t is not None and src_t is not None:
                     dst_t[off:off + m].copy_(src_t[soff:soff + m])
@@ -223,7 +228,7 @@ class StateStore:
         for st in self._retired:
             st.residual = st.owner_residual = None
             if not keep_moments:
-                st.moments, st.updates = [], 0
+                st.moments, st.updates, st.exact_updates = [], 0, 0
 
     def _drop_claimed(self) -> None:
         live = {k for st in self.buckets.values() for k in st.offsets()}
@@ -251,6 +256,7 @@ class StateStore:
         return {i: {"layout": st.layout, "residual": clone(st.residual),
                     "owner_residual": clone(st.owner_residual), "owner_start": st.owner_start,
                     "moments": [clone(t) for t in st.moments], "updates": st.updates,
+                    "exact_updates": st.exact_updates,
                     "q": clone(st.q), "q_rank": st.q_rank}
                 for i, st in self.buckets.items()}
 
@@ -261,7 +267,8 @@ class StateStore:
             int(i): BucketState(tuplify(v["layout"]), clone(v["residual"]),
                                 clone(v.get("owner_residual")), int(v.get("owner_start", 0)),
                                 [clone(t) for t in v.get("moments", [])], int(v.get("updates", 0)),
-                                clone(v.get("q")), int(v.get("q_rank", 0)))
+                                clone(v.get("q")), int(v.get("q_rank", 0)),
+                                v.get("exact_updates"))
             for i, v in d.items()}
 
 

@@ -75,6 +75,13 @@ class CompressionState(ReducerState):
             for bit. None (default): ``"wire"``, or ``"fp32"`` with ``optimizer`` and error
             feedback, whose owner residual needs the fp32 sum (``"wire"`` there is a ValueError).
             Other codecs are not affected.
+        max_grad_norm: with ``optimizer``, clips each rank's gradient to this norm before it
+            enters the optimizer's momentum and the compressor, bucket by bucket (each bucket its
+            share of the norm, from the previous step: see :mod:`gradzip.local_clip`); the
+            average's norm stays within it too. The replacement for
+            ``torch.nn.utils.clip_grad_norm_``, which cannot act on ``p.grad`` here (it holds the
+            optimizer's update after the hook; ``optimizer.step()`` raises if it was changed).
+            ``grad_norm`` is this rank's gradient norm of the last step, before clipping.
         uncompressed_numel: inside compressed int8/sign buckets, the 1-D tensors (biases, norms)
             and those of fewer elements travel uncompressed, in fp32, in the same exchange: their
             average is the exact fp32 sum (in rank order) and they keep no residual. 0 (default):
@@ -106,10 +113,12 @@ class CompressionState(ReducerState):
     def __init__(self, codec: str, process_group=None, error_feedback: bool = True,
                  warmup_steps: int = 0, min_compress_numel: int = MIN_COMPRESS_NUMEL,
                  guard_nonfinite: bool = True, optimizer=None, cast_sum: Optional[str] = None,
-                 warmup_codec: Optional[str] = None, uncompressed_numel: int = 0):
+                 warmup_codec: Optional[str] = None, uncompressed_numel: int = 0,
+                 max_grad_norm: Optional[float] = None):
         super().__init__(ReducerConfig(codec, error_feedback, warmup_steps, min_compress_numel,
-                                 guard_nonfinite, optimizer, cast_sum, warmup_codec,
-                                 uncompressed_numel))
+                                       guard_nonfinite, optimizer, cast_sum, warmup_codec,
+                                       uncompressed_numel, max_grad_norm))
+        self._clip = self.config.new_clip()
         self.process_group = process_group
         self._ef = StateStore()
         self._keys = _ParameterKeys()
@@ -121,11 +130,32 @@ class CompressionState(ReducerState):
             optimizer.attached = True
 
     # -- public ---------------------------------------------------------------------------------
+    @property
+    def grad_norm(self) -> Optional[torch.Tensor]:
+        """With ``optimizer``: this rank's gradient norm at the last complete step, before
+        ``max_grad_norm`` clipped it (a 0-dim tensor on the gradients' device, what
+        ``clip_grad_norm_`` returns); None before the first step or without ``optimizer``."""
+        return None if self._clip is None else self._clip.grad_norm
+
+    def attach(self, optimizer) -> None:
+        """Binds ``optimizer`` to a state that was pickled with another one (``torch.save(state)``
+        and loaded in a new process): the state then computes its direction, and its ``step()``
+        checks what the hook wrote. It must be of the same kind and settings as the saved one's."""
+        saved = self.config.direction
+        direction = getattr(optimizer, "direction", None)
+        if saved is None or direction is None or direction.describe() != saved.describe():
+            raise ValueError("gradzip: attach() takes an optimizer of the kind and settings the "
+                             f"state was made with ({'none' if saved is None else saved.describe()})"
+                             f", got {type(optimizer).__name__}")
+        self.config.direction = direction
+        optimizer.attached = True
+
     def state_dict(self) -> dict:
         self._commit()
         return {"version": STATE_VERSION, "codec": self.config.codec, "step": self.step,
                 "error_feedback": self.config.error_feedback, "world_size": self._world,
-                "residuals": self._ef.state_dict()}
+                "residuals": self._ef.state_dict(),
+                "clip": None if self._clip is None else self._clip.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("version") != STATE_VERSION:
@@ -137,6 +167,8 @@ class CompressionState(ReducerState):
         self._commit()
         self.step = int(state["step"])
         self._ef.load_state_dict(state["residuals"])
+        if self._clip is not None and state.get("clip") is not None:
+            self._clip.load_state_dict(state["clip"])
         self._resumed_step = self.step
         self._saved_world = state.get("world_size")
 
@@ -169,7 +201,7 @@ class CompressionState(ReducerState):
             self._runtime = torch.classes.gradzip.CompressedAllreduce(
                 name, self.config.codec, self._guard, plan.cast_sum,
                 gather_group_name(group, device, plan))
-            if warm is not None and self.step < self.config.warmup_steps:
+            if warm is not None and self.step <= self.config.last_exact_step:
                 self._warmup_runtime = torch.classes.gradzip.CompressedAllreduce(
                     name, warm.spec, self._guard, warm.cast_sum,
                     gather_group_name(group, device, warm))
@@ -207,7 +239,7 @@ class CompressionState(ReducerState):
     def _reduce(self, index, bucket_view, x, layout, st):
         """Enqueues one reduction of ``x`` (the bucket's float32 values) in C++; returns its Future."""
         bucket = self.config.begin_bucket(self.step, layout, self._world, reduction_guards=True)
-        selected = bucket.send(x, st, self._guard)
+        selected = bucket.send(x, st, self._guard, self._clip)
         runtime = self._runtime_of_step()
         if bucket.lowrank:
             fut = runtime.reduce_lowrank(index, bucket_view, x, bucket.numels, bucket.rows,
@@ -227,6 +259,7 @@ class CompressionState(ReducerState):
             bucket.receive(avg, st, selected)
             if avg is not out:
                 out.copy_(avg)
+            self.config.direction.wrote_(out)
             return [out]
 
         return fut.then(finish)
@@ -235,9 +268,10 @@ class CompressionState(ReducerState):
         """The warm-up codec's reduction for every bucket of a warm-up step (those it does not
         compress too: one object's thread issues a step's collectives, in order), else the codec's.
         Steps never overlap (DDP waits for a step's Futures before the next backward pass)."""
-        if self._warmup_runtime is not None and self.step < self.config.warmup_steps:
+        if self._warmup_runtime is not None and self.config.exact_step(self.step):
             return self._warmup_runtime
-        self._warmup_runtime = None  # the warm-up is over: its buffers go
+        if self.step > self.config.last_exact_step:
+            self._warmup_runtime = None  # no exact step is left: its buffers go
         return self._runtime
 
 
@@ -266,10 +300,14 @@ def compress_hook(state: "CompressionState",
     state._setup(buf.device)
     if state._guard_step != state.step:
         state._commit()  # first bucket of a new step: the previous step is complete
+        if state.config.direction is not None:
+            state.config.direction.begin_step_()
     # DDP gives a sparse gradient (nn.Embedding(sparse=True)) a bucket of its own
     dense = buf.layout == torch.strided
     fut = _reduce_dense(state, bucket, buf) if dense else _reduce_sparse(state, buf)
     if bucket.is_last():
+        if state._clip is not None:
+            state._clip.end_step()
         state._stats.end_step(state.step)
         state.step += 1
     # DDP reads a Python value from the hook's Future (as allreduce_hook's `then`).

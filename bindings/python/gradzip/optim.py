@@ -21,6 +21,14 @@ Adam's largest step), whose compressed average becomes m. Buckets too small to c
 running exact AdamW. Every rank updates m and v from the same averaged bits, so they stay bitwise
 identical.
 
+``refresh_until`` (0/1 Adam's variance schedule) shortens the uncompressed warm-up: after it, the
+variance is refreshed on exact steps at gaps that double every ``refreshes_per_doubling``
+refreshes (0/1 Adam's ``var_update_scaler``) until ``refresh_until`` (its freeze step), each
+refresh an AdamW step on the exact average (or the warm-up codec's, e.g. ``warmup_codec="int8"``,
+whose two-phase average is the same on every rank); the steps between compress the momentum over
+the latest denominator. With a 4-step warm-up and a refresh every doubling gap from 4 refreshes on,
+a 600-step run has 33 uncompressed steps instead of 60.
+
 ``CompressedSGD`` is SGD with momentum with momentum correction, as Deep Gradient Compression:
 each rank accumulates its own velocity and the velocity is compressed. DGC's two other pieces for
 top-k are options: ``momentum_masking`` (a coordinate this rank's top-k has just sent restarts its
@@ -38,7 +46,7 @@ The hook (or ``SimulatedWorkers(..., optimizer=opt)``) computes what the optimiz
 the collective, and keeps the moments with the residuals, in ``CompressionState.state_dict()``.
 ``opt.step()`` then applies the averaged update with decoupled weight decay; ``opt.state_dict()``
 holds only the hyper-parameters (schedulers work as usual). :func:`compresses_direction` says
-which codec wants which optimizer; the README has the table.
+which codec wants which optimizer; docs/guide.md has the table.
 
 With an uncompressed codec, CompressedSGD equals ``torch.optim.SGD`` with momentum and decoupled
 weight decay, and FrozenVarianceAdamW equals ``torch.optim.AdamW`` through its warm-up.
@@ -49,7 +57,7 @@ non-finite step whose moments are restored.
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 
@@ -82,25 +90,48 @@ class _Direction:
     one bucket: ``apply_`` turns the rank's gradient into what it sends, before the compressor;
     ``finish_`` turns the average into what ``opt.step()`` applies (``p -= lr * (x + wd * p)``).
     ``moments``: this rank's ``buffers`` state tensors of the bucket; ``t``: 1-based count of the
-    updates they have seen; ``warmup_steps``: the compression's warm-up (CompressionState's);
+    updates they have seen; ``exact_updates``: how many of them (this one included) averaged the
+    gradient exactly, uncompressed (the variance's updates, for FrozenVarianceAdam);
     ``compressed``: whether this step's bucket is compressed; ``world``: the number of ranks;
     ``sent``: where ``masks_sent`` is True and the bucket went through top-k with error feedback,
     a bool tensor of the coordinates this rank's top-k sent (else None)."""
 
     buffers = 0
     needs_warmup = False  # True: CompressionState's warmup_steps must be >= 1
+    _written = None  # the squared norm of what the hook left in the gradients this step
     # True: the moments are computed from the average alone, so they are the same on every rank
     # and stay valid at another world size (an elastic restart keeps them).
     moments_shared = False
     masks_sent = False  # True: finish_ wants the coordinates this rank's top-k sent
 
-    def apply_(self, g: torch.Tensor, moments: list, t: int, warmup_steps: int,
+    def apply_(self, g: torch.Tensor, moments: list, t: int, exact_updates: int,
                compressed: bool, world: int) -> torch.Tensor:
         return g
 
-    def finish_(self, avg: torch.Tensor, moments: list, t: int, warmup_steps: int,
+    def finish_(self, avg: torch.Tensor, moments: list, t: int, exact_updates: int,
                 compressed: bool, sent=None) -> torch.Tensor:
         return avg
+
+    def exact_step(self, step: int, warmup_steps: int) -> bool:
+        """Whether ``step`` (0-based) averages the gradient uncompressed: the warm-up's."""
+        return step < warmup_steps
+
+    def last_exact_step(self, warmup_steps: int) -> int:
+        """The last step that exact_step calls uncompressed (-1: none)."""
+        return warmup_steps - 1
+
+    def begin_step_(self) -> None:
+        """The hook's first bucket of a step: what an earlier step left unapplied is forgotten."""
+        self._written = None
+
+    def wrote_(self, update: torch.Tensor) -> None:
+        """The hook left ``update`` (one bucket's, as the gradients will hold it) for step()."""
+        sq = torch.linalg.vector_norm(update, dtype=torch.float32).square()
+        self._written = sq if self._written is None else self._written + sq
+
+    def take_written_(self) -> Optional[torch.Tensor]:
+        written, self._written = self._written, None
+        return written
 
 
 class MomentumDirection(_Direction):
@@ -125,7 +156,7 @@ class MomentumDirection(_Direction):
         self.masks_sent = bool(momentum_masking)
         self.local_clip_norm = None if local_clip_norm is None else float(local_clip_norm)
 
-    def apply_(self, g: torch.Tensor, moments: list, t: int, warmup_steps: int,
+    def apply_(self, g: torch.Tensor, moments: list, t: int, exact_updates: int,
                compressed: bool, world: int) -> torch.Tensor:
         (u,) = moments
         if compressed and self.local_clip_norm is not None:
@@ -136,7 +167,7 @@ class MomentumDirection(_Direction):
         u.mul_(self.momentum).add_(g)
         return g.add_(u, alpha=self.momentum) if self.nesterov else g.copy_(u)
 
-    def finish_(self, avg: torch.Tensor, moments: list, t: int, warmup_steps: int,
+    def finish_(self, avg: torch.Tensor, moments: list, t: int, exact_updates: int,
                 compressed: bool, sent=None) -> torch.Tensor:
         if sent is not None:
             moments[0].masked_fill_(sent, 0.0)
@@ -162,16 +193,48 @@ class FrozenVarianceAdam(_Direction):
     needs_warmup = True  # v is measured on exactly averaged gradients before it freezes
     moments_shared = True  # m and v are the average's (finish_), identical on every rank
 
-    def __init__(self, betas=(0.9, 0.999), eps: float = 1e-8):
+    def __init__(self, betas=(0.9, 0.999), eps: float = 1e-8, refresh_until: int = 0,
+                 refreshes_per_doubling: int = 16):
         b1, b2 = float(betas[0]), float(betas[1])
         if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
             raise ValueError(f"gradzip.optim: betas must be in [0, 1), got {betas}")
         if not eps > 0.0:
             raise ValueError(f"gradzip.optim: eps must be > 0, got {eps}")
+        if int(refresh_until) < 0 or int(refreshes_per_doubling) < 1:
+            raise ValueError("gradzip.optim: refresh_until must be >= 0 and refreshes_per_doubling "
+                             f">= 1, got {refresh_until}, {refreshes_per_doubling}")
         self.betas, self.eps = (b1, b2), float(eps)
+        self.refresh_until, self.refreshes_per_doubling = int(refresh_until), \
+            int(refreshes_per_doubling)
+        self._refreshes = None  # (warmup_steps, frozenset of refresh steps), built on first use
+
+    def refresh_steps(self, warmup_steps: int) -> frozenset:
+        """0/1 Adam's variance schedule after the warm-up: the steps whose gradient is averaged
+        exactly to update the variance, from the warm-up's end, at gaps that double every
+        ``refreshes_per_doubling`` refreshes (1, 1, ..., 2, 2, ..., 4, ...), before
+        ``refresh_until`` (0: none, the variance frozen at the warm-up's end)."""
+        if self._refreshes is None or self._refreshes[0] != warmup_steps:
+            steps, step, gap, j = [], warmup_steps, 1, 0
+            while step < self.refresh_until:
+                steps.append(step)
+                step += gap
+                j += 1
+                if j % self.refreshes_per_doubling == 0:
+                    gap *= 2
+            self._refreshes = (warmup_steps, frozenset(steps))
+        return self._refreshes[1]
+
+    def exact_step(self, step: int, warmup_steps: int) -> bool:
+        return step < warmup_steps or step in self.refresh_steps(warmup_steps)
+
+    def last_exact_step(self, warmup_steps: int) -> int:
+        return max([warmup_steps - 1, *self.refresh_steps(warmup_steps)])
 
     def _denominator(self, v: torch.Tensor, variance_updates: int) -> torch.Tensor:
-        return torch.div(v, 1.0 - self.betas[1] ** variance_updates).sqrt_().add_(self.eps)
+        # A variance no exact step has updated (a bucket first seen after the warm-up) counts as
+        # one update: v = 0, the denominator is eps and the step bound caps what is sent.
+        bias = 1.0 - self.betas[1] ** max(variance_updates, 1)
+        return torch.div(v, bias).sqrt_().add_(self.eps)
 
     @property
     def step_bound(self) -> float:
@@ -183,30 +246,32 @@ class FrozenVarianceAdam(_Direction):
         b1, b2 = self.betas
         return (1.0 - b1) / (1.0 - b2) ** 0.5
 
-    def apply_(self, g: torch.Tensor, moments: list, t: int, warmup_steps: int,
+    def apply_(self, g: torch.Tensor, moments: list, t: int, exact_updates: int,
                compressed: bool, world: int) -> torch.Tensor:
         if compressed:  # this rank's candidate momentum, preconditioned: linear in its gradient
             m, v = moments
             b1 = self.betas[0]
             g.mul_(1.0 - b1).add_(m, alpha=b1)
-            g.div_(self._denominator(v, min(t, warmup_steps)))
+            g.div_(self._denominator(v, exact_updates))
             g.clamp_(-self.step_bound, self.step_bound)
         return g
 
-    def finish_(self, avg: torch.Tensor, moments: list, t: int, warmup_steps: int,
+    def finish_(self, avg: torch.Tensor, moments: list, t: int, exact_updates: int,
                 compressed: bool, sent=None) -> torch.Tensor:
         m, v = moments
         b1, b2 = self.betas
         if compressed:  # avg: the averaged momentum over the frozen denominator
-            m.copy_(avg).mul_(self._denominator(v, min(t, warmup_steps)))
+            m.copy_(avg).mul_(self._denominator(v, exact_updates))
             return avg.div_(1.0 - b1 ** t)
         m.mul_(b1).add_(avg, alpha=1.0 - b1)  # AdamW on the exact average
-        v.mul_(b2).addcmul_(avg, avg, value=1.0 - b2)
-        torch.div(v, 1.0 - b2 ** t, out=avg).sqrt_().add_(self.eps)
+        v.mul_(b2).addcmul_(avg, avg, value=1.0 - b2)  # (its bias: the exact updates it has seen)
+        torch.div(v, 1.0 - b2 ** exact_updates, out=avg).sqrt_().add_(self.eps)
         return avg.reciprocal_().mul_(m).div_(1.0 - b1 ** t)
 
     def describe(self) -> str:
-        return f"frozen_variance_adam(betas={self.betas[0]!r},{self.betas[1]!r} eps={self.eps!r})"
+        return (f"frozen_variance_adam(betas={self.betas[0]!r},{self.betas[1]!r} eps={self.eps!r} "
+                f"refresh_until={self.refresh_until} "
+                f"refreshes_per_doubling={self.refreshes_per_doubling})")
 
 
 class _AppliesDirection(torch.optim.Optimizer):
@@ -219,6 +284,49 @@ class _AppliesDirection(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.direction = direction
         self.attached = False  # set by the hook's state: without it p.grad is a plain gradient
+        self._deferred = None  # a CUDA step's check, read at the next step (no host sync)
+        self._checked = 0
+
+    def _check_gradients(self, grads: list) -> None:
+        """Raises unless the gradients hold what the hook left in them this step: anything that
+        edits them in between (clip_grad_norm_, GradScaler.unscale_) would change the update
+        silently. Compared by their norm (a scale of 1 +- 1e-3 passes: it changes the update by
+        no more). On CUDA the comparison is read at the next step, after the first two steps."""
+        name = f"gradzip.optim.{type(self).__name__}"
+        written = self.direction.take_written_()
+        if written is None:
+            raise RuntimeError(
+                f"{name}.step(): no compression hook reduced the gradients since the last step "
+                "(a backward pass under DDP's no_sync(), or gradients set by hand?); p.grad must "
+                "hold what CompressionState's hook (or SimulatedWorkers) computed for this "
+                "optimizer (a CompressionState loaded from a pickle: state.attach(optimizer))")
+        have = (torch.stack(torch._foreach_norm(grads)).float().square().sum() if grads
+                else torch.zeros_like(written))
+        have = have.to(written.device)
+        deferred, self._deferred = self._deferred, None
+        if deferred is not None:
+            self._raise_if_edited(*deferred)
+        if written.device.type == "cuda" and self._checked >= 2:
+            self._deferred = (have, written)
+        else:
+            self._raise_if_edited(have, written)
+        self._checked += 1
+
+    def _raise_if_edited(self, have: torch.Tensor, written: torch.Tensor) -> None:
+        # a non-finite update (an overflow step) is compared as such: NaN to NaN
+        if bool(torch.isclose(have.sqrt(), written.sqrt(), rtol=1e-3, atol=1e-12,
+                              equal_nan=True)):
+            return
+        raise RuntimeError(
+            f"gradzip.optim.{type(self).__name__}.step(): p.grad was changed after the "
+            f"compression hook wrote it (norm {float(have.sqrt()):.6g}, the hook wrote "
+            f"{float(written.sqrt()):.6g}). With CompressionState(optimizer=...), p.grad holds "
+            "this optimizer's update, not the gradient: torch.nn.utils.clip_grad_norm_ (or "
+            "accelerator.clip_grad_norm_), GradScaler.unscale_ / scaler.step, or anything else "
+            "that edits gradients between backward() and step() would change the update. Clip "
+            "with CompressionState(..., max_grad_norm=C) instead (each rank's gradient, before "
+            "it is compressed; state.grad_norm is its norm for logging) and remove the clip from "
+            "the loop; for mixed precision use bf16 autocast without a GradScaler")
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -231,6 +339,8 @@ class _AppliesDirection(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_gradients([p.grad for group in self.param_groups for p in group["params"]
+                               if p.grad is not None])
         for group in self.param_groups:
             lr, wd = group["lr"], group["weight_decay"]
             for p in group["params"]:
@@ -249,9 +359,10 @@ class FrozenVarianceAdamW(_AppliesDirection):
     group (the hook updates the moments per bucket, across groups)."""
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2):
+                 weight_decay: float = 1e-2, refresh_until: int = 0,
+                 refreshes_per_doubling: int = 16):
         super().__init__(params, {"lr": lr, "weight_decay": weight_decay},
-                         FrozenVarianceAdam(betas, eps))
+                         FrozenVarianceAdam(betas, eps, refresh_until, refreshes_per_doubling))
 
 
 class CompressedSGD(_AppliesDirection):

@@ -14,6 +14,7 @@ import torch
 
 from . import _ops, wire  # _ops also loads the extension that defines torch.classes.gradzip
 from .bucket_state import StateStore, layout_exact, layout_numels, layout_rows
+from .local_clip import LocalGradClip
 from .plan import CodecPlan, TrafficStats, shard_bounds
 
 logger = logging.getLogger(__name__)
@@ -30,7 +31,8 @@ class ReducerConfig:
 
     def __init__(self, codec: str, error_feedback: bool, warmup_steps: int, min_compress_numel: int,
                  guard_nonfinite: bool, optimizer=None, cast_sum: Optional[str] = None,
-                 warmup_codec: Optional[str] = None, uncompressed_numel: int = 0):
+                 warmup_codec: Optional[str] = None, uncompressed_numel: int = 0,
+                 max_grad_norm: Optional[float] = None):
         self.direction = None
         if optimizer is not None:
             direction = getattr(optimizer, "direction", None)
@@ -73,6 +75,16 @@ class ReducerConfig:
         self.min_compress_numel = int(min_compress_numel)
         self.uncompressed_numel = int(uncompressed_numel)
         self.guard_nonfinite = bool(guard_nonfinite)
+        if max_grad_norm is not None and self.direction is None:
+            raise ValueError("gradzip: max_grad_norm clips each rank's gradient before a "
+                             "gradzip.optim optimizer's direction is computed (optimizer=...); "
+                             "without one, p.grad holds the averaged gradient after the hook and "
+                             "torch.nn.utils.clip_grad_norm_ clips it as usual")
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        # the elements of all buckets together: each bucket's share of max_grad_norm
+        self.total_numel = 0 if optimizer is None else sum(
+            p.numel() for group in optimizer.param_groups for p in group["params"])
+        self.new_clip()  # checks max_grad_norm
 
     @property
     def codec(self) -> str:
@@ -85,13 +97,30 @@ class ReducerConfig:
                 f"{'fp32' if self.warmup_plan is None else self.warmup_plan.spec} "
                 f"min_compress_numel={self.min_compress_numel} "
                 f"uncompressed_numel={self.uncompressed_numel} "
-                f"guard_nonfinite={int(self.guard_nonfinite)} world={world} direction="
+                f"guard_nonfinite={int(self.guard_nonfinite)} world={world} "
+                f"max_grad_norm={self.max_grad_norm!r} direction="
                 f"{'none' if self.direction is None else self.direction.describe()}")
 
+    def exact_step(self, step: int) -> bool:
+        """The warm-up's steps, and the optimizer direction's other uncompressed steps (a
+        FrozenVarianceAdamW's variance refreshes): the gradient is averaged exactly (or in the
+        warm-up codec)."""
+        if self.direction is not None:
+            return self.direction.exact_step(step, self.warmup_steps)
+        return step < self.warmup_steps
+
+    @property
+    def last_exact_step(self) -> int:
+        """The last step exact_step names (-1: none): the warm-up codec's reduction is kept until
+        then."""
+        if self.direction is not None:
+            return self.direction.last_exact_step(self.warmup_steps)
+        return self.warmup_steps - 1
+
     def compresses(self, step: int, n: int, world: int) -> bool:
-        """Past the warm-up and big enough: the codec carries the bucket, with error feedback and
+        """Not an exact step and big enough: the codec carries the bucket, with error feedback and
         the optimizer's compressed direction."""
-        return world > 1 and step >= self.warmup_steps and self._big_enough(n, world)
+        return world > 1 and not self.exact_step(step) and self._big_enough(n, world)
 
     def _big_enough(self, n: int, world: int) -> bool:
         # n >= world: every shard of a two-phase bucket holds at least one element.
@@ -122,6 +151,12 @@ class ReducerConfig:
     def keeps_state(self) -> bool:
         return self.keeps_residual or self.direction is not None or self.plan.lowrank_rank > 0
 
+    def new_clip(self) -> Optional[LocalGradClip]:
+        """One rank's LocalGradClip where an optimizer direction is computed (it measures the
+        gradient's norm for logging, and clips with max_grad_norm), else None."""
+        return None if self.direction is None else LocalGradClip(self.max_grad_norm,
+                                                                 self.total_numel)
+
     def new_guard(self):
         """A C++ NonfiniteGuard where there is state to protect, else None."""
         return torch.classes.gradzip.NonfiniteGuard() if self.guard_nonfinite and self.keeps_state \
@@ -147,8 +182,11 @@ class ReducerConfig:
         else None."""
         if self.direction is None:
             return None
+        if st.exact_updates is None:  # a checkpoint from before exact_updates was kept
+            st.exact_updates = min(st.updates, self.warmup_steps)
         st.updates += 1
-        self.direction.apply_(x, st.moments, st.updates, self.warmup_steps, compressed, world)
+        st.exact_updates += 0 if compressed else 1
+        self.direction.apply_(x, st.moments, st.updates, st.exact_updates, compressed, world)
         if not (compressed and self.direction.masks_sent and self.plan.kind == "topk"
                 and st.residual is not None):
             return None
@@ -169,7 +207,7 @@ class ReducerConfig:
         # A sent coordinate keeps at most the rounding of its value as residual (fp16 values:
         # 2^-11 of it); one not sent keeps all of it (to within an FMA's rounding).
         sent = None if selected_from is None else st.residual.abs() < 0.5 * selected_from.abs()
-        self.direction.finish_(avg, st.moments, st.updates, self.warmup_steps, compressed, sent)
+        self.direction.finish_(avg, st.moments, st.updates, st.exact_updates, compressed, sent)
 
     def begin_bucket(self, step: int, layout, world: int, reduction_guards: bool) -> "BucketStep":
         """How one bucket (of ``layout``) travels at ``step``; see :class:`BucketStep`."""
@@ -191,6 +229,7 @@ class BucketStep:
                  reduction_guards: bool):
         n = layout[0]
         self.config, self.world, self.reduction_guards = config, world, reduction_guards
+        self.layout = layout
         self.numels, self.rows, self.exact = layout_numels(layout), layout_rows(layout), \
             config.exact(layout)
         self.compressed = config.compresses(step, n, world)
@@ -200,12 +239,15 @@ class BucketStep:
         # the uncompressed reference: an fp32 ring all-reduce of the bucket
         self.raw_bytes = _ops.fp32_traffic(n, world)
 
-    def send(self, x: torch.Tensor, st, guard) -> Optional[torch.Tensor]:
+    def send(self, x: torch.Tensor, st, guard, clip=None) -> Optional[torch.Tensor]:
         """One rank's part before the collective: its ``guard`` saves the bucket's state ``st``
-        before any update (an overflow step undoes all), then the optimizer direction turns ``x``
-        into what the rank sends, in place. Returns what :meth:`receive` is given back."""
+        before any update (an overflow step undoes all), its ``clip`` (ReducerConfig.new_clip)
+        measures and clips the gradient, then the optimizer direction turns ``x`` into what the
+        rank sends, in place. Returns what :meth:`receive` is given back."""
         if guard is not None and st is not None:
             guard.save(st.moments if self.reduction_guards else state_tensors(st))
+        if clip is not None:
+            clip.clip_(x, self.layout)
         return self.config.apply_direction(x, st, self.compressed, self.world, self.numels,
                                            self.exact)
 

@@ -49,19 +49,29 @@ class SimulatedWorkers(Reporting):
     def __init__(self, codec: str, world_size: int, error_feedback: bool = True,
                  warmup_steps: int = 0, min_compress_numel: int = MIN_COMPRESS_NUMEL,
                  guard_nonfinite: bool = True, optimizer=None, cast_sum: Optional[str] = None,
-                 warmup_codec: Optional[str] = None, uncompressed_numel: int = 0):
+                 warmup_codec: Optional[str] = None, uncompressed_numel: int = 0,
+                 max_grad_norm: Optional[float] = None):
         if int(world_size) < 1:
             raise ValueError(f"gradzip: world_size must be >= 1, got {world_size}")
-        self.config = ReducerConfig(codec, error_feedback, warmup_steps, min_compress_numel, guard_nonfinite,
-                              optimizer, cast_sum, warmup_codec, uncompressed_numel)
+        self.config = ReducerConfig(codec, error_feedback, warmup_steps, min_compress_numel,
+                                    guard_nonfinite, optimizer, cast_sum, warmup_codec,
+                                    uncompressed_numel, max_grad_norm)
         self.world_size = int(world_size)
         self.step = 0
         self._ef = [StateStore() for _ in range(self.world_size)]
         self._stats = TrafficStats()
         self._guards = [self.config.new_guard() for _ in range(self.world_size)]
+        self._clips = [self.config.new_clip() for _ in range(self.world_size)]
+        self._in_step = False  # a bucket of the current step has been reduced
         self._reductions = {}  # (bucket_index, numels, exact, device) -> a BucketReduction per rank
         if optimizer is not None:
             optimizer.attached = True
+
+    @property
+    def grad_norm(self) -> Optional[torch.Tensor]:
+        """With ``optimizer``: rank 0's gradient norm at the last complete step, before
+        ``max_grad_norm`` clipped it (see CompressionState.grad_norm); else None."""
+        return None if self._clips[0] is None else self._clips[0].grad_norm
 
     def residuals(self, rank: int = 0) -> List[torch.Tensor]:
         """The error-feedback residuals a worker holds (worker and owner, every bucket)."""
@@ -103,7 +113,11 @@ class SimulatedWorkers(Reporting):
         bucket = cfg.begin_bucket(self.step, layout, world, reduction_guards=False)
         states = [cfg.bucket_state(self._ef[r], bucket_index, layout, world, r, flats[r].device)
                   for r in range(world)]
-        selected = [bucket.send(f, st, g) for f, st, g in zip(flats, states, self._guards)]
+        if cfg.direction is not None and not self._in_step:
+            cfg.direction.begin_step_()
+        self._in_step = True
+        selected = [bucket.send(f, st, g, c)
+                    for f, st, g, c in zip(flats, states, self._guards, self._clips)]
         if bucket.plan is None:
             out = torch.zeros_like(flats[0])
             for f in flats:
@@ -130,10 +144,16 @@ class SimulatedWorkers(Reporting):
         bucket.count(self._stats, traffic)  # rank 0's, as the hook's stats are its rank's
         for o, st, sel, g in zip(outs, states, selected, self._guards):
             bucket.receive(o, st, sel, g)
+        if cfg.direction is not None:
+            cfg.direction.wrote_(outs[0])
         if is_last:
             for g in self._guards:
                 if g is not None:
                     g.commit()
+            for c in self._clips:
+                if c is not None:
+                    c.end_step()
+            self._in_step = False
             self._stats.end_step(self.step)
             self.step += 1
         return outs[0]
@@ -160,7 +180,8 @@ class SimulatedWorkers(Reporting):
     def state_dict(self) -> dict:
         return {"version": STATE_VERSION, "codec": self.config.codec, "step": self.step,
                 "world_size": self.world_size,
-                "workers": [store.state_dict() for store in self._ef]}
+                "workers": [store.state_dict() for store in self._ef],
+                "clips": [None if c is None else c.state_dict() for c in self._clips]}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("codec") != self.config.codec or state.get("world_size") != self.world_size:
@@ -170,3 +191,6 @@ class SimulatedWorkers(Reporting):
         self.step = int(state["step"])
         for store, d in zip(self._ef, state["workers"]):
             store.load_state_dict(d)
+        for clip, d in zip(self._clips, state.get("clips") or [None] * self.world_size):
+            if clip is not None and d is not None:
+                clip.load_state_dict(d)

@@ -66,6 +66,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compress-warmup", type=int, metavar="N",
                    help="the first N steps averaged uncompressed (bytes counted) in the runs that "
                         "do not set their own (default: the optimizer's need; run names get +wN)")
+    p.add_argument("--max-grad-norm", type=float, metavar="C",
+                   help="clip gradients at norm C in the runs that do not set their own: "
+                        "clip_grad_norm_ on the averaged gradient, or each worker's gradient in "
+                        "the reduction for gradzip.optim's optimizers (run names get +gclipC)")
     p.add_argument("--ddp", action="store_const", const="ddp", dest="strategy",
                    help="the same as --strategy ddp")
     p.add_argument("--threads", type=int, default=1,
@@ -79,7 +83,8 @@ def overrides(args) -> dict:
     o = {"steps": args.steps, "workers": args.workers, "data": args.data,
          "weights": args.weights, "seed": args.seed, "eval_every": args.eval_every,
          "param_codec": args.param_codec, "uncompressed_numel": args.uncompressed_numel,
-         "optimizer": args.optimizer, "compress_warmup": args.compress_warmup}
+         "optimizer": args.optimizer, "compress_warmup": args.compress_warmup,
+         "max_grad_norm": args.max_grad_norm}
     return {k: v for k, v in o.items() if v is not None}
 
 
@@ -201,6 +206,8 @@ def _main(argv=None) -> int:
         raise SystemExit("--threads, --seeds and --jobs must be >= 1")
     if args.compress_warmup is not None and args.compress_warmup < 0:
         raise SystemExit("--compress-warmup must be >= 0")
+    if args.max_grad_norm is not None and not args.max_grad_norm > 0:
+        raise SystemExit("--max-grad-norm must be > 0")
     if args.strategy != "simulated" and args.jobs != 1:
         raise SystemExit(f"--jobs does not apply to --strategy {args.strategy} (torchrun starts "
                          "one process per rank)")

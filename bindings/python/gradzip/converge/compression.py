@@ -58,13 +58,15 @@ class Reducer:
     collective (the reduce returns what that optimizer's step applies). ``param_shapes``: the
     parameters' shapes (instead of ``param_numels``), which lowrank (matrices) and
     ``uncompressed_numel`` (as CompressionState's) need. ``warmup_steps``: the first steps are
-    averaged uncompressed, or in ``warmup_codec`` (and counted as such in the bytes)."""
+    averaged uncompressed, or in ``warmup_codec`` (and counted as such in the bytes).
+    ``max_grad_norm``: with ``optimizer``, each worker's gradient clipped (SimulatedWorkers')."""
 
     def __init__(self, codec: str, workers: int, error_feedback: bool = True,
                  param_numels: list[int] | None = None, bucket_cap_mb: float = 25.0,
                  first_bucket_bytes: int = FIRST_BUCKET_BYTES, warmup_steps: int = 0,
                  optimizer=None, param_shapes: list[tuple] | None = None,
-                 warmup_codec: str | None = None, uncompressed_numel: int = 0):
+                 warmup_codec: str | None = None, uncompressed_numel: int = 0,
+                 max_grad_norm: float | None = None):
         from gradzip.simulation import SimulatedWorkers  # compiled extension: imported only here
 
         self.codec = canonical_codec(codec)
@@ -80,7 +82,8 @@ class Reducer:
                                      **baseline_or_codec(self.codec, error_feedback),
                                      warmup_steps=warmup_steps,
                                      optimizer=optimizer, warmup_codec=warmup_codec,
-                                     uncompressed_numel=uncompressed_numel)
+                                     uncompressed_numel=uncompressed_numel,
+                                     max_grad_norm=max_grad_norm)
         self.bytes_per_step = 0  # bytes one worker sent in the last step
         self.raw_bytes_per_step = 0  # what an uncompressed fp32 ring all-reduce would send
 

@@ -30,9 +30,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from .compression import baseline_or_codec
 from .output import Progress, clear_results, summarise, write_suite_json
 from .tasks import task_of
-from .training import (RunConfig, RunFiles, batch_indices, compress_warmup_steps, data_key,
-                       eval_due, finish, hook_optimizer, load_data, log_eval, make_model,
-                       make_optimizer)
+from .training import (RunConfig, RunFiles, batch_indices, clip_averaged, compress_warmup_steps,
+                       data_key, eval_due, finish, hook_optimizer, load_data, log_eval,
+                       make_model, make_optimizer, reduction_clip)
 
 
 def _broadcast(obj, src: int = 0):
@@ -57,7 +57,8 @@ class _DDP:
         self.state = CompressionState(
             cfg.codec, **baseline_or_codec(cfg.codec, cfg.error_feedback),
             warmup_steps=compress_warmup_steps(cfg), optimizer=hook_optimizer(self.opt),
-            warmup_codec=cfg.warmup_codec, uncompressed_numel=cfg.uncompressed_numel)
+            warmup_codec=cfg.warmup_codec, uncompressed_numel=cfg.uncompressed_numel,
+            max_grad_norm=reduction_clip(cfg, self.opt))
         self.forward.register_comm_hook(self.state, compress_hook)
 
 
@@ -122,6 +123,7 @@ def train_distributed(cfg: RunConfig, out: Path, data, device, strategy, progres
         loss = task.shard_loss(run.forward, cfg, train, idx, device)
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        clip_averaged(cfg, opt, list(model.parameters()))
         opt.step()
         sched.step()
         mean_loss = loss.detach().clone()

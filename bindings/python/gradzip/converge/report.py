@@ -90,11 +90,19 @@ def eval_curves(evals: list[dict]) -> dict[tuple, list[dict]]:
     return curves
 
 
-def tail_vs_fp32(curves: dict[tuple, list[dict]], run: str, seed: int, key: str) -> float | None:
-    """``key``'s tail mean of (run, seed) against fp32's of the same seed - 1, in percent; None
-    without both."""
+def baseline_run(runs: list[dict]) -> str:
+    """The name of the fp32 run the others are paired with: "fp32", or the suite's one run of
+    codec fp32 under another name (e.g. "fp32+gclip1", clipped as the others are)."""
+    names = {r["run"] for r in runs if r["codec"] == BASELINE}
+    return names.pop() if len(names) == 1 else BASELINE
+
+
+def tail_vs_fp32(curves: dict[tuple, list[dict]], run: str, seed: int, key: str,
+                 baseline: str = BASELINE) -> float | None:
+    """``key``'s tail mean of (run, seed) against the ``baseline`` run's of the same seed - 1, in
+    percent; None without both."""
     mine = tail_mean(curves.get((run, seed), []), key)
-    theirs = tail_mean(curves.get((BASELINE, seed), []), key)
+    theirs = tail_mean(curves.get((baseline, seed), []), key)
     return None if mine is None or not theirs else 100 * (mine / theirs - 1)
 
 
@@ -102,14 +110,15 @@ def rows(results: list[dict], evals: list[dict], task: Task) -> list[dict]:
     """summary.csv: one row per result, with its paired comparison to fp32 of the same seed."""
     curves = eval_curves(evals)
     key, (vs_fp32, tail_column, _) = task.headline, paired(task)
-    fp32 = {r["seed"]: r[key] for r in results if r["run"] == BASELINE}
+    base = baseline_run(results)
+    fp32 = {r["seed"]: r[key] for r in results if r["run"] == base}
     table = []
     for r in results:
         row = {k: r[k] for k in summary_columns(task) if k not in paired(task)}
         ref = fp32.get(r["seed"])
         curve = curves.get((r["run"], r["seed"]), [])
         row[vs_fp32] = None if ref is None else 100 * (r[key] / ref - 1)
-        row[tail_column] = tail_vs_fp32(curves, r["run"], r["seed"], task.tail)
+        row[tail_column] = tail_vs_fp32(curves, r["run"], r["seed"], task.tail, base)
         row["steps_to_target"] = None if ref is None else steps_to_target(curve, key, TARGET * ref)
         table.append(row)
     return table
@@ -294,7 +303,7 @@ def plot(out: Path, agg: list[dict], task: Task) -> list[Path]:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, seeds in _by_run(read_jsonl(out / "evals.jsonl")).items():
         _band(ax1, [e["step"] for e in seeds[0]], [[e[key] for e in s] for s in seeds], name)
-    ref = next((a for a in agg if a["run"] == BASELINE), None)
+    ref = next((a for a in agg if a["run"] == baseline_run(agg)), None)
     if ref is not None:
         ax1.axhline(TARGET * ref[f"{key}_mean"], color="k", linewidth=1, linestyle=":",
                     label=f"target: {TARGET} x final fp32")

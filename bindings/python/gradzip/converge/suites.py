@@ -18,6 +18,15 @@ STUDY = (("fp32", False), ("bf16", True), ("fp16", True), ("int8", True), ("sign
 FROZEN = {"optimizer": "frozen-variance-adamw", "compress_warmup": 60}
 # The same with the warm-up's buckets in bf16 (half its bytes).
 FROZEN_BF16 = dict(FROZEN, warmup_codec="bf16")
+# 0/1 Adam's schedule: compressed from step 4, the variance refreshed by exact steps at gaps that
+# double every 4 (or 2) refreshes until the end, the warm-up and the refreshes sent in int8 (the
+# two-phase int8 average is the same on every rank, so the one state stays identical).
+REFRESH_INT8_4 = {"optimizer": "frozen-variance-adamw", "compress_warmup": 4, "warmup_codec": "int8",
+                  "refresh_until": 600, "refreshes_per_doubling": 4}
+REFRESH_INT8_2 = dict(REFRESH_INT8_4, refreshes_per_doubling=2)
+WHOLE_RUN = (("fp32", False), ("sign", True, REFRESH_INT8_4), ("sign", True, REFRESH_INT8_2),
+             ("topk:0.01:values=fp16", True, REFRESH_INT8_4),
+             ("topk:0.01:values=fp16", True, REFRESH_INT8_2))
 RECIPES = (("fp32", False), ("sign", True, FROZEN), ("sign", False, FROZEN),
            ("topk:0.01:values=fp16", True, FROZEN), ("topk:0.01:values=fp16", False, FROZEN),
            ("sign", True, FROZEN_BF16), ("topk:0.01:values=fp16", True, FROZEN_BF16))
@@ -62,6 +71,11 @@ CPU_SGD = RunConfig(model="conv-s", image_size=56, workers=4, batch_per_worker=4
 CPU_LM = RunConfig(model="lm-s", data=STDLIB_DOCSTRINGS, workers=4, batch_per_worker=8, steps=600,
                    warmup_steps=60, lr=2e-3, eval_every=100)
 
+# cpu-lm with the language models' usual gradient clipping (norm 1.0, as nanoGPT's and Hugging Face
+# Trainer's default): fp32 clips its averaged gradient, the recipes each worker's in the reduction.
+CPU_LM_CLIP = replace(CPU_LM, max_grad_norm=1.0)
+CLIP_STUDY = (("fp32", False), ("sign", True), ("topk:0.01:values=fp16", True))
+
 # cpu-lm four times as long (the learning-rate warm-up and the recipe's uncompressed steps kept at
 # 60): does the aggressive codecs' gap close as training gets longer, as in the papers' long runs?
 CPU_LONG = replace(CPU_LM, steps=2400, eval_every=200, checkpoint_every=200)
@@ -79,6 +93,12 @@ SUITES = {
         "cpu-default's sign and top-k 1 % under the frozen-variance Adam (60 uncompressed "
         "steps, or 60 steps in bf16: +w60:bf16), with and without error feedback, named by "
         "optimizer and warm-up"),
+    "cpu-whole-run": Suite(
+        "cpu-whole-run",
+        CPU_DEFAULT, WHOLE_RUN, "cpu",
+        "cpu-default's settings, sign and top-k 1 % under the frozen-variance Adam compressed from "
+        "step 4, its variance refreshed at doubling gaps (0/1 Adam's schedule), the warm-up and "
+        "the refreshes in int8: bytes over the whole run against cpu-recipes' 60 fp32 steps"),
     "cpu-sgd": Suite(
         "cpu-sgd",
         CPU_SGD, SGD_STUDY, "cpu",
@@ -89,6 +109,11 @@ SUITES = {
         CPU_LM, LM_STUDY, "cpu",
         "a small transformer language model (lm-s) on the Python standard library's docstrings, "
         "AdamW, 4 simulated workers, 600 steps: validation loss (nats/char) against fp32's"),
+    "cpu-lm-clip": Suite(
+        "cpu-lm-clip",
+        CPU_LM_CLIP, CLIP_STUDY, "cpu",
+        "cpu-lm with gradient clipping at 1.0: fp32 with clip_grad_norm_, sign and top-k 1 % "
+        "under the recipe with max_grad_norm (each worker's gradient, in the reduction)"),
     "cpu-long": Suite(
         "cpu-long",
         CPU_LONG, LONG_STUDY, "cpu",

@@ -53,12 +53,17 @@ class RunConfig:
     optimizer_family: str = "adamw"  # what "recipe" chooses within: "adamw" or "sgd" (momentum 0.9)
     momentum_masking: bool = False  # compressed-sgd: DGC's momentum factor masking (top-k)
     local_clip_norm: float | None = None  # compressed-sgd: DGC's local gradient clipping
+    refresh_until: int = 0  # frozen-variance-adamw: 0/1 Adam's variance refreshes (exact steps at
+    # growing gaps after the warm-up) before this step; 0: none, the variance frozen at its end
+    refreshes_per_doubling: int = 16  # frozen-variance-adamw: refreshes before each gap doubles
     compress_warmup: int | None = None  # the first steps uncompressed (exact fp32 averages, bytes
     # counted); None: the optimizer's need (compress_warmup_steps)
     warmup_codec: str | None = None  # the warm-up's buckets in this codec (e.g. bf16; no error
     # feedback, bytes counted); None: fp32
     param_codec: str | None = None  # FSDP only: its parameter all-gathers in this codec
     uncompressed_numel: int = 0  # int8/sign: 1-D tensors and those under N elements sent in fp32
+    max_grad_norm: float | None = None  # gradient clipping where the loop can clip: torch's
+    # clip_grad_norm_ on the averaged gradient, or each worker's in the reduction for gradzip.optim's
     seed: int = 0
     data: str = "procedural"  # or nyu:FILE / kitti:DEPTH,RAW / folder:DIR; a language model's:
     # a text of text.TEXTS (the image and scene settings do not apply to it)
@@ -79,9 +84,12 @@ class RunConfig:
             name += f"+{self.optimizer}"
         name += "+mask" if self.momentum_masking else ""
         name += f"+clip{self.local_clip_norm:g}" if self.local_clip_norm is not None else ""
+        name += (f"+r{self.refresh_until}x{self.refreshes_per_doubling}" if self.refresh_until
+                 else "")
         name += f"+w{self.compress_warmup}" if self.compress_warmup is not None else ""
         name += f":{canonical_codec(self.warmup_codec)}" if self.warmup_codec else ""
         name += f"+u{self.uncompressed_numel}" if self.uncompressed_numel else ""
+        name += f"+gclip{self.max_grad_norm:g}" if self.max_grad_norm is not None else ""
         return name + (f"+params={self.param_codec}" if self.param_codec else "")
 
 
@@ -186,6 +194,18 @@ def hook_optimizer(opt):
     return opt if getattr(opt, "direction", None) is not None else None
 
 
+def reduction_clip(cfg: RunConfig, opt):
+    """The reduction's max_grad_norm: the run's where the reduction computes the optimizer's
+    direction (p.grad then holds the update, which clip_grad_norm_ must not touch), else None."""
+    return cfg.max_grad_norm if hook_optimizer(opt) is not None else None
+
+
+def clip_averaged(cfg: RunConfig, opt, params) -> None:
+    """The usual loop's clip_grad_norm_ on the averaged gradient, where p.grad holds it."""
+    if cfg.max_grad_norm is not None and hook_optimizer(opt) is None:
+        torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+
+
 def make_optimizer(cfg: RunConfig, model: torch.nn.Module, compress_direction: bool = True):
     """The run's optimizer (optimizer_name) and its schedule; torch's optimizer of the family where
     ``compress_direction`` is False (FSDP, whose reduce-scatter computes no direction)."""
@@ -197,7 +217,12 @@ def make_optimizer(cfg: RunConfig, model: torch.nn.Module, compress_direction: b
     name = optimizer_name(cfg)
     if not compress_direction:
         name = FAMILIES[cfg.optimizer_family][0]
+    if cfg.refresh_until and name != "frozen-variance-adamw":
+        raise ValueError(f"{cfg.name}: refresh_until is FrozenVarianceAdamW's option; this run's "
+                         f"optimizer is {name}")
     options = {"amsgrad": {"amsgrad": True}, "sgd": {"momentum": 0.9},
+               "frozen-variance-adamw": {"refresh_until": cfg.refresh_until,
+                                         "refreshes_per_doubling": cfg.refreshes_per_doubling},
                "compressed-sgd": {"momentum": 0.9, "momentum_masking": cfg.momentum_masking,
                                   "local_clip_norm": cfg.local_clip_norm}}.get(name, {})
     opt = OPTIMIZERS[name](groups, lr=cfg.lr, **options)
@@ -306,7 +331,8 @@ def train_simulated(cfg: RunConfig, out: Path, data: tuple[dict, dict], device: 
                       param_shapes=[tuple(p.shape) for p in params],
                       bucket_cap_mb=cfg.bucket_cap_mb, warmup_steps=compress_warmup_steps(cfg),
                       optimizer=hook_optimizer(opt), warmup_codec=cfg.warmup_codec,
-                      uncompressed_numel=cfg.uncompressed_numel)
+                      uncompressed_numel=cfg.uncompressed_numel,
+                      max_grad_norm=reduction_clip(cfg, opt))
     start, wall = 0, 0.0
     if (state := files.load_checkpoint()) is not None:
         model.load_state_dict(state["model"])
@@ -334,6 +360,7 @@ def train_simulated(cfg: RunConfig, out: Path, data: tuple[dict, dict], device: 
                 torch.cuda.synchronize()
             codec_s = time.perf_counter() - tc
             assign_grads(params, avg)
+            clip_averaged(cfg, opt, params)
             opt.step()
             sched.step()
             loss_v = float(torch.stack(losses).mean())

@@ -20,43 +20,59 @@ def make_sim(codec, world, warmup, betas=(0.9, 0.999), eps=1e-8, **kw):
                             optimizer=opt, **kw)
 
 
+class Float64FrozenVarianceAdam:
+    """The reference, in float64, for 2 workers and a lossless codec: on an exact step AdamW of the
+    mean gradient (v's bias correction counting the exact steps only); on the others each worker's
+    b1 m + (1 - b1) g over the denominator sqrt(v_hat) + eps of the last exact step, clipped to
+    Adam's largest step (1 - b1) / sqrt(1 - b2), averaged into m (times the denominator)."""
+
+    def __init__(self, n, b1, b2, eps):
+        self.b1, self.b2, self.eps = b1, b2, eps
+        self.bound = (1 - b1) / (1 - b2) ** 0.5
+        self.m = torch.zeros(n, dtype=torch.float64)
+        self.v = torch.zeros(n, dtype=torch.float64)
+        self.t = self.updates = self.clipped = 0
+
+    def step(self, grads, exact: bool) -> torch.Tensor:
+        b1, b2, eps = self.b1, self.b2, self.eps
+        self.t += 1
+        if exact:
+            self.updates += 1
+            mean = (grads[0].double() + grads[1].double()) / 2
+            self.m = b1 * self.m + (1 - b1) * mean
+            self.v = b2 * self.v + (1 - b2) * mean ** 2
+            v_hat = self.v / (1 - b2 ** self.updates)
+            return (self.m / (1 - b1 ** self.t)) / (v_hat.sqrt() + eps)
+        denom = (self.v / (1 - b2 ** self.updates)).sqrt() + eps
+        sent = [((b1 * self.m + (1 - b1) * x.double()) / denom) for x in grads]
+        self.clipped += sum(int((s.abs() > self.bound).sum()) for s in sent)
+        u = sum(s.clamp(-self.bound, self.bound) for s in sent) / 2
+        self.m = u * denom
+        return u / (1 - b1 ** self.t)
+
+
 def test_against_a_float64_frozen_variance_adam():
-    """Lossless codec, 2 workers: AdamW of the mean gradient for the warm-up steps; then each
-    worker's b1 m + (1 - b1) g over the frozen denominator sqrt(v_hat) + eps, clipped to Adam's
-    largest step (1 - b1) / sqrt(1 - b2), averaged into m (times the denominator) with v as it was
-    at the end of the warm-up. Gradient scales span 1e-3..1e2, so some coordinates are clipped."""
+    """Lossless codec, 2 workers: AdamW of the mean gradient for the warm-up steps; then the
+    momentum over the denominator frozen at the end of the warm-up (Float64FrozenVarianceAdam).
+    Gradient scales span 1e-3..1e2, so some coordinates are clipped."""
     b1, b2, eps, n, warmup = 0.8, 0.95, 1e-6, 1001, 3
-    bound = (1 - b1) / (1 - b2) ** 0.5
     sim = make_sim("fp32", 2, warmup, betas=(b1, b2), eps=eps)
+    ref = Float64FrozenVarianceAdam(n, b1, b2, eps)
     g = torch.Generator().manual_seed(5)
-    m = torch.zeros(n, dtype=torch.float64)
-    v = torch.zeros(n, dtype=torch.float64)
-    clipped = 0
     for t in range(1, 9):
         grads = [torch.randn(n, generator=g) * 10.0 ** torch.randint(-3, 3, (n,), generator=g)
                  for _ in range(2)]
-        if t <= warmup:
-            mean = (grads[0].double() + grads[1].double()) / 2
-            m = b1 * m + (1 - b1) * mean
-            v = b2 * v + (1 - b2) * mean ** 2
-            want = (m / (1 - b1 ** t)) / ((v / (1 - b2 ** t)).sqrt() + eps)
-        else:
-            denom = (v / (1 - b2 ** warmup)).sqrt() + eps
-            sent = [((b1 * m + (1 - b1) * x.double()) / denom) for x in grads]
-            clipped += sum(int((s.abs() > bound).sum()) for s in sent)
-            u = sum(s.clamp(-bound, bound) for s in sent) / 2
-            m = u * denom
-            want = u / (1 - b1 ** t)
+        want = ref.step(grads, exact=t <= warmup)
         got = sim.reduce(grads)
         torch.testing.assert_close(got.double(), want, rtol=2e-5, atol=1e-6)
-    assert clipped > 0  # the clip is exercised
+    assert ref.clipped > 0  # the clip is exercised
 
 
 def test_variance_refreshes_against_a_float64_adam():
     """0/1 Adam's schedule (refresh_until, refreshes_per_doubling): after a 2-step warm-up, steps
     2, 3 (gap 1), 4, 6 (gap 2), 8, 12 (gap 4) average the gradient exactly and update m and v (v's
     bias correction counts its own updates), the others compress the momentum over the latest
-    denominator; from refresh_until on, v stays frozen. A float64 Adam written here, with the
+    denominator; from refresh_until on, v stays frozen. Float64FrozenVarianceAdam, with the
     schedule spelled out."""
     b1, b2, eps, n, warmup = 0.8, 0.95, 1e-6, 777, 2
     exact = {0, 1, 2, 3, 4, 6, 8, 12}
@@ -64,26 +80,11 @@ def test_variance_refreshes_against_a_float64_adam():
                               refresh_until=14, refreshes_per_doubling=2)
     assert opt.direction.refresh_steps(warmup) == exact - {0, 1}
     sim = SimulatedWorkers("fp32", 2, warmup_steps=warmup, min_compress_numel=0, optimizer=opt)
+    ref = Float64FrozenVarianceAdam(n, b1, b2, eps)
     g = torch.Generator().manual_seed(6)
-    m = torch.zeros(n, dtype=torch.float64)
-    v = torch.zeros(n, dtype=torch.float64)
-    bound = (1 - b1) / (1 - b2) ** 0.5
-    updates = 0
     for step in range(18):
-        t = step + 1
         grads = [torch.randn(n, generator=g) * (1 + step % 3) for _ in range(2)]
-        if step in exact:
-            updates += 1
-            mean = (grads[0].double() + grads[1].double()) / 2
-            m = b1 * m + (1 - b1) * mean
-            v = b2 * v + (1 - b2) * mean ** 2
-            want = (m / (1 - b1 ** t)) / ((v / (1 - b2 ** updates)).sqrt() + eps)
-        else:
-            denom = (v / (1 - b2 ** updates)).sqrt() + eps
-            u = sum(((b1 * m + (1 - b1) * x.double()) / denom).clamp(-bound, bound)
-                    for x in grads) / 2
-            m = u * denom
-            want = u / (1 - b1 ** t)
+        want = ref.step(grads, exact=step in exact)
         assert sim.config.compresses(step, n, 2) == (step not in exact)
         torch.testing.assert_close(sim.reduce(grads).double(), want, rtol=2e-5, atol=1e-6)
 

@@ -28,14 +28,19 @@ import torch
 _SIZE_WEIGHT = 0.05
 
 
+def checked_max_norm(max_norm: Optional[float]) -> Optional[float]:
+    """``max_norm`` as a float, or None; anything but a positive number is a ValueError."""
+    if max_norm is not None and not float(max_norm) > 0.0:
+        raise ValueError(f"gradzip: max_grad_norm must be > 0 (or None), got {max_norm}")
+    return None if max_norm is None else float(max_norm)
+
+
 class LocalGradClip:
     """One rank's clipping (``max_norm`` None: only measures ``grad_norm``). ``total_numel``:
     the elements of all buckets together (the optimizer's parameters)."""
 
     def __init__(self, max_norm: Optional[float], total_numel: int):
-        if max_norm is not None and not float(max_norm) > 0.0:
-            raise ValueError(f"gradzip: max_grad_norm must be > 0 (or None), got {max_norm}")
-        self.max_norm = None if max_norm is None else float(max_norm)
+        self.max_norm = checked_max_norm(max_norm)
         self.total_numel = max(int(total_numel), 1)
         self._last: dict = {}  # bucket layout -> its squared norm at the previous step
         self._last_total = None

@@ -112,13 +112,9 @@ class _Direction:
                 compressed: bool, sent=None) -> torch.Tensor:
         return avg
 
-    def exact_step(self, step: int, warmup_steps: int) -> bool:
-        """Whether ``step`` (0-based) averages the gradient uncompressed: the warm-up's."""
-        return step < warmup_steps
-
-    def last_exact_step(self, warmup_steps: int) -> int:
-        """The last step that exact_step calls uncompressed (-1: none)."""
-        return warmup_steps - 1
+    def refresh_steps(self, warmup_steps: int) -> frozenset:
+        """The steps after the warm-up that average the gradient exactly too (none)."""
+        return frozenset()
 
     def begin_step_(self) -> None:
         """The hook's first bucket of a step: what an earlier step left unapplied is forgotten."""
@@ -223,12 +219,6 @@ class FrozenVarianceAdam(_Direction):
                     gap *= 2
             self._refreshes = (warmup_steps, frozenset(steps))
         return self._refreshes[1]
-
-    def exact_step(self, step: int, warmup_steps: int) -> bool:
-        return step < warmup_steps or step in self.refresh_steps(warmup_steps)
-
-    def last_exact_step(self, warmup_steps: int) -> int:
-        return max([warmup_steps - 1, *self.refresh_steps(warmup_steps)])
 
     def _denominator(self, v: torch.Tensor, variance_updates: int) -> torch.Tensor:
         # A variance no exact step has updated (a bucket first seen after the warm-up) counts as

@@ -14,7 +14,7 @@ import torch
 
 from . import _ops, wire  # _ops also loads the extension that defines torch.classes.gradzip
 from .bucket_state import StateStore, layout_exact, layout_numels, layout_rows
-from .local_clip import LocalGradClip
+from .local_clip import LocalGradClip, checked_max_norm
 from .plan import CodecPlan, TrafficStats, shard_bounds
 
 logger = logging.getLogger(__name__)
@@ -80,11 +80,10 @@ class ReducerConfig:
                              "gradzip.optim optimizer's direction is computed (optimizer=...); "
                              "without one, p.grad holds the averaged gradient after the hook and "
                              "torch.nn.utils.clip_grad_norm_ clips it as usual")
-        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self.max_grad_norm = checked_max_norm(max_grad_norm)
         # the elements of all buckets together: each bucket's share of max_grad_norm
         self.total_numel = 0 if optimizer is None else sum(
             p.numel() for group in optimizer.param_groups for p in group["params"])
-        self.new_clip()  # checks max_grad_norm
 
     @property
     def codec(self) -> str:
@@ -101,21 +100,23 @@ class ReducerConfig:
                 f"max_grad_norm={self.max_grad_norm!r} direction="
                 f"{'none' if self.direction is None else self.direction.describe()}")
 
+    @property
+    def _refresh_steps(self) -> frozenset:
+        """The optimizer direction's exact steps after the warm-up (a FrozenVarianceAdamW's
+        variance refreshes)."""
+        return frozenset() if self.direction is None else \
+            self.direction.refresh_steps(self.warmup_steps)
+
     def exact_step(self, step: int) -> bool:
-        """The warm-up's steps, and the optimizer direction's other uncompressed steps (a
-        FrozenVarianceAdamW's variance refreshes): the gradient is averaged exactly (or in the
-        warm-up codec)."""
-        if self.direction is not None:
-            return self.direction.exact_step(step, self.warmup_steps)
-        return step < self.warmup_steps
+        """The warm-up's steps and the direction's refreshes: the gradient is averaged exactly
+        (or in the warm-up codec)."""
+        return step < self.warmup_steps or step in self._refresh_steps
 
     @property
     def last_exact_step(self) -> int:
         """The last step exact_step names (-1: none): the warm-up codec's reduction is kept until
         then."""
-        if self.direction is not None:
-            return self.direction.last_exact_step(self.warmup_steps)
-        return self.warmup_steps - 1
+        return max([self.warmup_steps - 1, *self._refresh_steps])
 
     def compresses(self, step: int, n: int, world: int) -> bool:
         """Not an exact step and big enough: the codec carries the bucket, with error feedback and

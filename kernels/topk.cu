@@ -21,12 +21,13 @@
 #include <cub/block/block_scan.cuh>
 
 #include "common.cuh"
+#include "topk_workspace.hpp"
 
 namespace gradzip::kernels {
 namespace {
 
 constexpr int kV = 4;
-constexpr uint32_t kTile = 4096;                   // elements per tile of count/write
+constexpr uint32_t kTile = kTopkTile;
 constexpr uint32_t kTileSteps = kTile / (kThreads * kV);
 constexpr int kSelectThreads = 1024;
 constexpr int kScanThreads = 256;  // tile-prefix scan: small, and u64 scans spill at 1024 threads
@@ -42,10 +43,7 @@ struct TopkState {
   uint32_t pad[2];
 };
 
-// Workspace layout: [state: 64 B][3 histograms][tile counts][tile prefixes][candidates: 4n B]
-constexpr size_t kStateBytes = 64;
-constexpr size_t kHistBytes = 3 * sizeof(uint32_t) * el::kTopkRadix;
-size_t num_tiles(size_t n) { return n == 0 ? 1 : (n + kTile - 1) / kTile; }
+static_assert(sizeof(TopkState) <= kTopkStateBytes, "the selection state outgrew its slot");
 constexpr int kDigit1Shift = el::kTopkDigitShift[1];
 constexpr uint32_t kDigit1Mask = el::kTopkDigitMask[1];
 constexpr uint32_t kDigit2Mask = el::kTopkDigitMask[2];
@@ -278,14 +276,15 @@ __global__ void __launch_bounds__(kThreads)
 template <bool Vec>
 void launch_all(const EncodeLaunch& a, uint32_t k, bool fp16_values, uint8_t* ws) {
   const Source src{a.grad, a.residual, a.prescale};
+  const TopkWorkspace w = topk_workspace(a.n);  // topk_workspace.hpp
   auto* st = reinterpret_cast<TopkState*>(ws);
-  auto* hist = reinterpret_cast<uint32_t*>(ws + kStateBytes);
-  auto* counts = reinterpret_cast<uint64_t*>(ws + kStateBytes + kHistBytes);
-  const size_t tiles = num_tiles(a.n);
-  auto* prefix = counts + tiles;
-  auto* cand = reinterpret_cast<uint32_t*>(prefix + tiles);
+  auto* hist = reinterpret_cast<uint32_t*>(ws + w.histograms);
+  auto* counts = reinterpret_cast<uint64_t*>(ws + w.counts);
+  auto* prefix = reinterpret_cast<uint64_t*>(ws + w.prefixes);
+  auto* cand = reinterpret_cast<uint32_t*>(ws + w.candidates);
+  const size_t tiles = w.tiles;
   const unsigned tile_grid = static_cast<unsigned>(tiles);
-  cudaMemsetAsync(ws, 0, kStateBytes + kHistBytes, a.stream);
+  cudaMemsetAsync(ws, 0, w.counts, a.stream);  // the state and the histograms
   if (a.n > 0) {
     const unsigned wide = static_cast<unsigned>(a.sm_count) * 8;
     const unsigned hist_grid = std::min<unsigned>(grid_for(a.n, uint64_t{kThreads} * kV), wide);
@@ -310,7 +309,7 @@ void launch_all(const EncodeLaunch& a, uint32_t k, bool fp16_values, uint8_t* ws
 
 }  // namespace
 
-size_t encode_workspace_bytes(TopkCodec, size_t n) { return kStateBytes + kHistBytes + 16 * num_tiles(n) + 4 * n; }
+size_t encode_workspace_bytes(TopkCodec, size_t n) { return topk_workspace(n).bytes; }
 
 void launch_encode(TopkCodec, const EncodeLaunch& a) {
   const uint32_t k = a.param;

@@ -14,7 +14,8 @@
 //   gradzip::reduce_lowrank_in_memory(ranks, xs, residuals, qs)   the all-reduces done in memory
 //   NonfiniteGuard()
 // and the layout's sizes as ops (gradzip::fp32_traffic, shard_starts, lowrank_sizes;
-// lowrank_rank_of parses a lowrank spec: its R, or 0 for another codec). Each reduction reports the
+// lowrank_rank_of parses a lowrank spec: its R, or 0 for another codec; wire_constants: the
+// constants gradzip/wire.py restates, by name). Each reduction reports the
 // bytes of what it lays out: traffic() -> (sent, received), of a bucket index's last reduction for
 // CompressedAllreduce, of its rank for BucketReduction and LowRankReduction.
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
@@ -113,6 +114,22 @@ int64_t lowrank_rank_of(const std::string& spec) { return parse_lowrank(spec).va
 // TorchScript returns a tuple, not a pair.
 std::tuple<int64_t, int64_t> sent_received(const std::pair<int64_t, int64_t>& traffic) {
   return {traffic.first, traffic.second};
+}
+
+// The constants Python restates (gradzip/wire.py, which must work without the extension), for the
+// test that ties each to its one definition here.
+c10::Dict<std::string, int64_t> wire_constants() {
+  c10::Dict<std::string, int64_t> d;
+  d.insert("header_bytes", static_cast<int64_t>(kHeaderBytes));
+  d.insert("max_count", static_cast<int64_t>(kMaxCount));
+  d.insert("topk_max_count", static_cast<int64_t>(kTopkMaxCount));
+  d.insert("min_block", kMinBlock);
+  d.insert("max_block", kMaxBlock);
+  d.insert("default_int8_block", kDefaultInt8Block);
+  d.insert("default_sign_block", kDefaultSignBlock);
+  d.insert("min_piece", kMinPiece);
+  d.insert("chunk", CompressedAllreduce::kChunk);
+  return d;
 }
 
 }  // namespace
@@ -217,4 +234,5 @@ TORCH_LIBRARY_FRAGMENT(gradzip, m) {
   m.def("shard_starts(int n, int world) -> int[]", &shard_starts);
   m.def("lowrank_sizes(int rank, int[] numels, int[] rows) -> int[]", &lowrank_sizes_op);
   m.def("lowrank_rank_of(str spec) -> int", &lowrank_rank_of);
+  m.def("wire_constants() -> Dict(str, int)", &wire_constants);
 }

@@ -4,11 +4,12 @@
 //    at the first fault in index order. The shared check_index makes the two the same fault;
 //  * the radix digits of the shared top-k key (codec/topk.hpp), which the CPU select and
 //    kernels/topk.cu both use, cover the key exactly once;
-//  * Codec::workspace_bytes covers the workspace layout of kernels/topk.cu (one size query for
-//    both backends).
+//  * Codec::workspace_bytes covers the workspace layout kernels/topk.cu carves (topk_workspace.hpp,
+//    one size query for both backends).
 // The GPU's verdicts and bytes are compared with the CPU's on a device, in test_gpu_codecs.cpp.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -18,6 +19,7 @@
 #include "gradzip/gradzip.hpp"
 #include "gradzip/wire.hpp"
 #include "test_util.hpp"  // tests/cpu
+#include "topk_workspace.hpp"  // kernels/
 
 namespace {
 
@@ -79,27 +81,33 @@ TEST(Emulation, TopkDigitsCoverTheKeyOnce) {
 }
 
 // ---- top-k workspace --------------------------------------------------------------------------
-constexpr size_t kTile = 4096;  // kernels/topk.cu kTile
-
-// What kernels/topk.cu carves out of the workspace, from its documented layout: the selection
-// state (64 B), the three radix histograms, a count and a prefix word (8 B each) per 4096-element
-// tile (one tile at n = 0) and a 4-byte candidate slot per element. A smaller Codec::workspace_bytes
-// would let the GPU encoder write past the caller's buffer.
-size_t cuda_topk_need(size_t n) {
-  const size_t tiles = n == 0 ? 1 : (n + kTile - 1) / kTile;
-  return 64 + 3 * 4 * size_t{el::kTopkRadix} + 2 * 8 * tiles + 4 * n;
-}
-
+// kernels/topk.cu carves its workspace with topk_workspace(n): the selection state, three radix
+// histograms, a u64 count and a u64 prefix per kTopkTile-element tile, a u32 candidate per element.
+// Each region must hold what the kernels put there, none may overlap the next, and the size query
+// every caller allocates by (Codec::workspace_bytes) must cover the last: a smaller one would let
+// the GPU encoder write past the caller's buffer.
 TEST(Emulation, WorkspaceBytesCoverTheCudaEncoders) {
+  namespace k = gradzip::kernels;
   for (const char* spec : kSpecs) {
     const auto codec = gradzip::Codec::parse(spec);
     const bool topk = codec.kind() == gradzip::CodecKind::topk;
     for (size_t n : {size_t{0}, size_t{1}, size_t{1000}, size_t{4096}, size_t{4097}, size_t{1} << 20,
                      size_t{100000007}}) {
-      if (topk)
-        EXPECT_GE(codec.workspace_bytes(n), cuda_topk_need(n)) << spec << " n=" << n;
-      else
+      if (!topk) {
         EXPECT_EQ(codec.workspace_bytes(n), 0u) << spec << " n=" << n;  // the other encoders use none
+        continue;
+      }
+      const k::TopkWorkspace w = k::topk_workspace(n);
+      const size_t tiles_needed = std::max<size_t>(1, (n + k::kTopkTile - 1) / k::kTopkTile);
+      EXPECT_GE(w.tiles, tiles_needed) << spec << " n=" << n;
+      EXPECT_GE(w.histograms, k::kTopkStateBytes) << spec << " n=" << n;
+      EXPECT_GE(w.counts - w.histograms, 3 * sizeof(uint32_t) * el::kTopkRadix) << " n=" << n;
+      EXPECT_GE(w.prefixes - w.counts, sizeof(uint64_t) * tiles_needed) << " n=" << n;
+      EXPECT_GE(w.candidates - w.prefixes, sizeof(uint64_t) * tiles_needed) << " n=" << n;
+      EXPECT_GE(w.bytes - w.candidates, sizeof(uint32_t) * n) << " n=" << n;
+      for (size_t offset : {w.histograms, w.counts, w.prefixes, w.candidates})
+        EXPECT_EQ(offset % 8, 0u) << "a region the kernels read as u32/u64 is misaligned, n=" << n;
+      EXPECT_GE(codec.workspace_bytes(n), w.bytes) << spec << " n=" << n;
     }
   }
 }

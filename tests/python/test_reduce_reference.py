@@ -43,10 +43,10 @@ import pytest
 import torch
 
 from gradzip.simulation import SimulatedWorkers
+from gradzip.wire import MIN_PIECE  # tied to the extension's by test_wire.py
 
 F64 = torch.float64
 U32 = 2.0 ** -24  # unit roundoff of fp32
-MIN_PIECE = 64
 
 NUMELS = {"a": [1000, 37, 4099], "b": [3, 700, 64, 1500, 65, 611]}
 SCALES = {"a": [1.0, 1e-3, 3.0], "b": [2.0, 1.0, 1e-2, 0.5, 50.0, 1e-4]}

@@ -169,6 +169,18 @@ def test_the_codec_facts_are_the_extensions(kind, cast_sum):
     assert (exact != whole) == (kind in wire.BLOCK_SCALED_KINDS)
 
 
+def test_the_constants_are_the_extensions():
+    """Every constant gradzip.wire restates (it must work without the extension) equals its one
+    definition in C++, and names every constant the extension lists."""
+    ext = dict(torch.ops.gradzip.wire_constants())
+    python = {"header_bytes": wire.HEADER_BYTES, "max_count": wire.MAX_COUNT,
+              "topk_max_count": wire.TOPK_MAX_COUNT, "min_block": wire.MIN_BLOCK,
+              "max_block": wire.MAX_BLOCK, "default_int8_block": wire.DEFAULT_INT8_BLOCK,
+              "default_sign_block": wire.DEFAULT_SIGN_BLOCK, "min_piece": wire.MIN_PIECE,
+              "chunk": wire.CHUNK}
+    assert python == ext
+
+
 def test_cost_model_runs_without_the_extension():
     """The cost model's CLI with the compiled ops hidden: its sizes are gradzip.wire's, equal to
     the extension's."""

@@ -7,7 +7,8 @@ bindings/torch/lowrank_reduction.cpp), the codecs' facts (the traits of
 include/gradzip/codec/<codec>.hpp, see codec/visit.hpp) as the bucket reduction applies them
 (bindings/torch/bucket_reduction.cpp), and the sizes (include/gradzip/wire.hpp). This is their only
 Python copy: gradzip.plan and the cost model both use it, and tests/python/test_wire.py checks it
-against the extension on every codec, every spec of the fuzz corpus and a spread of sizes.
+against the extension on every codec, every spec of the fuzz corpus and a spread of sizes, and its
+constants against ``torch.ops.gradzip.wire_constants()``.
 Imports nothing from gradzip or torch.
 """
 
@@ -37,6 +38,9 @@ BLOCK_SCALED_KINDS = ("int8", "sign")
 # of its own would cost a header for a few bytes, and one shared with a neighbour tensor would give
 # it the neighbour's scale (bindings/torch/bucket_reduction.hpp, kMinPiece).
 MIN_PIECE = 64
+# A CPU bucket of more elements is reduced as consecutive chunks whose phases overlap each other's
+# collectives (bindings/torch/compressed_allreduce.hpp, kChunk).
+CHUNK = 1 << 21
 # summable: the payload is the values, in a dtype a backend's all-reduce sums.
 SUMMABLE_KINDS = ("fp32", "fp16", "bf16")
 LOSSLESS_KINDS = ("fp32",)  # decode(encode(x)) == x: error feedback has nothing to keep

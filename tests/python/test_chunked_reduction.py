@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 import gradzip  # noqa: F401  (registers torch.classes.gradzip)
 from dist_util import run_ranks
+from gradzip.plan import CodecPlan, shard_bounds
 
 WORLD = 3
 NUMELS = [2999, 40, 4001, 3003]  # one exact tensor of 40; shards of 3348 or 3347 elements
@@ -25,12 +26,14 @@ TWO_PHASE_STEPS = ["encode", "all-to-all", "owner sum + re-encode", "all-gather"
 
 
 def two_phase(codec, cast_sum):
-    return cast_sum == "fp32" or codec.split(":")[0] in ("int8", "sign")
+    """The extension's rule (gradzip.plan, tied to BucketLayout by test_wire.py)."""
+    return CodecPlan.parse(codec, cast_sum).two_phase
 
 
 def reduce_both_ways(rank, world, outdir):
     n = sum(NUMELS)
-    shard = n // world + (1 if rank < n % world else 0)
+    bounds = shard_bounds(n, world)
+    shard = bounds[rank + 1] - bounds[rank]
     groups = [dist.new_group(list(range(world)), use_local_synchronization=True)
               for _ in range(3)]
     out = {}
@@ -73,7 +76,7 @@ UNIT = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11}  # unit roundoff of the wire dtyp
 @pytest.mark.parametrize("case", [f"{c} {s}" for c, s in CASES])
 def test_chunks_give_the_bits_of_one_piece(results, case):
     codec, cast_sum = case.split()
-    wire_sum = cast_sum == "wire" and codec in UNIT
+    wire_sum = CodecPlan.parse(codec, cast_sum).wire_sum
     for rank in range(WORLD):
         got = results[rank][case]
         for step, run in enumerate(got["runs"]):

@@ -12,6 +12,7 @@ from converge_util import Interrupt, stop_at
 from gradzip.converge import report
 from gradzip.converge.char_lm import LM_CONFIGS, VOCAB, CharLM
 from gradzip.converge.output import summarise
+from gradzip.converge.provenance import code_hash
 from gradzip.converge.suites import get_suite
 from gradzip.converge.tasks import DEPTH, LANGUAGE, STRIDE, task_of, windows
 from gradzip.converge.text import STDLIB_DOCSTRINGS, docstring_text, fingerprint, load_text
@@ -131,7 +132,8 @@ def test_summary_pairs_the_val_loss_with_fp32_per_seed(tmp_path, data):
     assert list(rows[0]) == ["run", "codec", "error_feedback", "seed", "bytes_per_step",
                              "total_bytes", "compression_ratio", "steady_ratio", "val_loss",
                              "val_bpc", "final_loss", "val_loss_vs_fp32_pct",
-                             "val_loss_last3_vs_fp32_pct", "steps_to_target"]
+                             "val_loss_last3_vs_fp32_pct", "steps_to_target", "code"]
+    assert {r["code"] for r in rows} == {code_hash()}  # the code each row was trained with
     table = {(r["run"], int(r["seed"])): r for r in rows}
     for seed in (0, 1):
         fp32, int8 = table["fp32", seed], table["int8", seed]
@@ -146,17 +148,27 @@ def test_summary_pairs_the_val_loss_with_fp32_per_seed(tmp_path, data):
     for name in ("val_loss_vs_bytes.png", "loss_curves.png", "steps_to_target.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG", name
 
+    # A later command over part of the runs (--codecs int8) adds to the folder's summary: the
+    # fp32 rows stay (and pair), the other ones are this command's.
+    evals = (tmp_path / "evals.jsonl").read_text()
+    assert summarise(tmp_path, "lm-test", configs[2:], results[2:]) == 0
+    again = _csv(tmp_path / "summary.csv")
+    assert sorted((r["run"], r["seed"]) for r in again) == sorted(
+        (r["run"], r["seed"]) for r in rows)
+    assert {(r["run"], r["seed"]): r for r in again} == {(r["run"], r["seed"]): r for r in rows}
+    assert sorted(evals.splitlines()) == sorted((tmp_path / "evals.jsonl").read_text().splitlines())
+
 
 def test_depth_tables_keep_their_columns():
     assert report.summary_columns(DEPTH) == (
         "run", "codec", "error_feedback", "seed", "bytes_per_step", "total_bytes",
         "compression_ratio", "steady_ratio", "abs_rel", "abs_rel_med", "sq_rel", "rmse",
         "rmse_log", "delta1", "delta2", "delta3", "final_loss", "abs_rel_vs_fp32_pct",
-        "abs_rel_med_last3_vs_fp32_pct", "steps_to_target")
+        "abs_rel_med_last3_vs_fp32_pct", "steps_to_target", "code")
     assert [h for h, _ in report.main_columns(DEPTH)] == [
         "run", "bytes/step", "ratio, whole run", "ratio, compressing", "AbsRel",
         "AbsRel, median-scaled", "RMSE", "δ1", "AbsRel vs fp32 (%)",
-        "AbsRel-med, last 3 evals, vs fp32 (%)", "steps to target"]
+        "AbsRel-med, last 3 evals, vs fp32 (%)", "steps to target", "code"]
 
 
 def test_the_cpu_lm_suite_and_what_a_language_model_refuses(tmp_path):

@@ -204,7 +204,7 @@ def test_cpu_smoke_suite(smoke):
                              "abs_rel_med", "sq_rel", "rmse", "rmse_log", "delta1", "delta2",
                              "delta3", "final_loss",
                              "abs_rel_vs_fp32_pct", "abs_rel_med_last3_vs_fp32_pct",
-                             "steps_to_target"]
+                             "steps_to_target", "code"]
     table = {(r["run"], int(r["seed"])): r for r in rows}
     assert list(table) == [("fp32", 0), ("fp32", 1), ("int8", 0), ("int8", 1)]
     for seed in (0, 1):

@@ -15,7 +15,7 @@ from .._extras import require
 from . import report
 from .provenance import environment
 from .tasks import task_of
-from .training import RunConfig, RunFiles, read_jsonl
+from .training import RunConfig, read_jsonl, run_stem
 
 
 class Progress:
@@ -58,6 +58,14 @@ class Progress:
             self.say("done")
 
 
+def with_stored_results(out: Path, results: list[dict]) -> list[dict]:
+    """``results``, then the other results in ``out/runs`` (by run name, then seed)."""
+    have = {(r["run"], r["seed"]) for r in results}
+    stored = [json.loads(p.read_text()) for p in sorted((out / "runs").glob("*.json"))]
+    extra = [r for r in stored if (r["run"], r["seed"]) not in have]
+    return list(results) + sorted(extra, key=lambda r: (r["run"], r["seed"]))
+
+
 def clear_results(out: Path) -> None:
     """Everything but the cached scenes (out/data), which are keyed by what they depend on."""
     shutil.rmtree(out / "runs", ignore_errors=True)
@@ -73,10 +81,16 @@ def write_suite_json(out: Path, suite, device: torch.device, args) -> None:
 
 
 def summarise(out: Path, suite_name: str, configs: list[RunConfig], results: list[dict]) -> int:
+    """Writes and prints the summary of ``out``: this command's ``results`` (of ``configs``), then
+    every other run stored in ``out/runs`` by earlier commands (other --codecs or --seeds), so that
+    a suite's one summary covers its folder; each row names the code it was trained with."""
+    del configs  # the rows come from the results, which hold their configs
+    results = with_stored_results(out, results)
     for name in ("steps", "evals"):  # the runs' own logs, concatenated in table order
         with open(out / f"{name}.jsonl", "w") as f:
-            for cfg in configs:
-                f.write(getattr(RunFiles(out, cfg), name).read_text())
+            for r in results:
+                log = out / "runs" / f"{run_stem(r['run'], r['seed'])}.{name}.jsonl"
+                f.write(log.read_text() if log.is_file() else "")
     task = task_of(results[0]["config"]["model"])  # a suite's runs share their model
     table = report.rows(results, read_jsonl(out / "evals.jsonl"), task)
     agg = report.aggregate(table, task)

@@ -46,7 +46,12 @@ def paired(task: Task) -> tuple[str, str, str]:
 
 
 def summary_columns(task: Task) -> tuple[str, ...]:
-    return ID + ("seed",) + BYTES + metric_columns(task) + paired(task)
+    return ID + ("seed",) + BYTES + metric_columns(task) + paired(task) + ("code",)
+
+
+def code_of(result: dict) -> str:
+    """The code version a result was trained with (provenance.code_hash, part of its cache key)."""
+    return result.get("environment", {}).get("code", "?")
 
 
 def spread_columns(task: Task) -> tuple[str, ...]:
@@ -57,7 +62,7 @@ def spread_columns(task: Task) -> tuple[str, ...]:
 def aggregate_columns(task: Task) -> tuple[str, ...]:
     return (ID + ("seeds",) + BYTES
             + tuple(f"{k}_{s}" for k in spread_columns(task) for s in ("mean", "std"))
-            + ("target_reached",))
+            + ("target_reached", "code"))
 
 
 def main_columns(task: Task) -> tuple[tuple[str, str], ...]:
@@ -67,7 +72,7 @@ def main_columns(task: Task) -> tuple[tuple[str, str], ...]:
             + task.shown + ((f"{task.label} vs fp32 (%)", paired(task)[0]),
                             (f"{task.tail_label}, last {TAIL} evals, vs fp32 (%)",
                              paired(task)[1]),
-                            ("steps to target", "steps_to_target")))
+                            ("steps to target", "steps_to_target"), ("code", "code")))
 
 
 def steps_to_target(evals: list[dict], key: str, target: float) -> int | None:
@@ -114,12 +119,13 @@ def rows(results: list[dict], evals: list[dict], task: Task) -> list[dict]:
     fp32 = {r["seed"]: r[key] for r in results if r["run"] == base}
     table = []
     for r in results:
-        row = {k: r[k] for k in summary_columns(task) if k not in paired(task)}
+        row = {k: r[k] for k in summary_columns(task) if k not in paired(task) + ("code",)}
         ref = fp32.get(r["seed"])
         curve = curves.get((r["run"], r["seed"]), [])
         row[vs_fp32] = None if ref is None else 100 * (r[key] / ref - 1)
         row[tail_column] = tail_vs_fp32(curves, r["run"], r["seed"], task.tail, base)
         row["steps_to_target"] = None if ref is None else steps_to_target(curve, key, TARGET * ref)
+        row["code"] = code_of(r)
         table.append(row)
     return table
 
@@ -147,6 +153,7 @@ def aggregate(table: list[dict], task: Task) -> list[dict]:
         for k in spread_columns(task):
             a[f"{k}_mean"], a[f"{k}_std"] = mean_std(r[k] for r in rs)
         a["target_reached"] = sum(r["steps_to_target"] is not None for r in rs)
+        a["code"] = "+".join(sorted({r["code"] for r in rs}))  # more than one: mixed versions
         out.append(a)
     return out
 
@@ -215,7 +222,9 @@ def write_markdown(path: Path, table: list[dict], agg: list[dict], title: str,
         f"the same for the mean of {task.tail} over each run's last {TAIL} evaluations (steadier "
         f"from seed to seed). Steps to target: the first evaluation "
         f"with {m} <= {TARGET} x the final {m} of the fp32 run of the same seed (mean "
-        f"over the seeds that reach it). Measured times: timings.csv.\n\n"
+        f"over the seeds that reach it). Code: the code version each run was trained with "
+        f"(provenance.code_hash; the folder's runs of earlier commands are listed too, each with "
+        f"its own). Measured times: timings.csv.\n\n"
         f"{markdown(agg, main_columns(task))}\nEvery run and seed (summary.csv):\n\n"
         f"{markdown(table, tuple((k, k) for k in summary_columns(task)))}")
 

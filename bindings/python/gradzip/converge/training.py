@@ -247,6 +247,11 @@ def eval_due(cfg: RunConfig, done: int) -> bool:
     return done == cfg.steps or (cfg.eval_every > 0 and done % cfg.eval_every == 0)
 
 
+def run_stem(run: str, seed: int) -> str:
+    """The file name (without suffix) of a run's result and logs in ``out/runs``."""
+    return f"{run.replace(':', '_')}-s{seed}"  # "topk:0.01": not a portable name
+
+
 class RunFiles:
     """Where a run (one RunConfig, one seed) keeps its checkpoint, its result and its logs:
     ``steps`` (one line per step; "step" counts from 0) and ``evals`` (one line per evaluation;
@@ -254,7 +259,7 @@ class RunFiles:
 
     def __init__(self, out: Path, cfg: RunConfig):
         self.cfg = cfg
-        stem = f"{cfg.name.replace(':', '_')}-s{cfg.seed}"  # "topk:0.01": not a portable name
+        stem = run_stem(cfg.name, cfg.seed)
         self.ckpt = out / "checkpoints" / f"{stem}.pt"
         self.result = out / "runs" / f"{stem}.json"
         self.steps = out / "runs" / f"{stem}.steps.jsonl"

@@ -103,9 +103,11 @@ def register_hook(ddp, hook: str, guard_nonfinite: bool = False):
                                             start_powerSGD_iter=2, random_seed=0)
         ddp.register_comm_hook(state, serialized(powerSGD_hook.powerSGD_hook))
         return state
+    from gradzip import costmodel as cm
     from gradzip.ddp import CompressionState, compress_hook
 
-    state = CompressionState(hook, guard_nonfinite=guard_nonfinite)
+    spec, cast_sum = cm.split_cast_sum(hook)  # SPEC@fp32: cast_sum="fp32"
+    state = CompressionState(spec, guard_nonfinite=guard_nonfinite, cast_sum=cast_sum)
     ddp.register_comm_hook(state, compress_hook)
     return state
 

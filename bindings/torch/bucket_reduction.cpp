@@ -132,7 +132,8 @@ BucketLayout::BucketLayout(const Codec& codec, int64_t world_, const std::vector
     return std::tuple{c.summable, c.all_gathered, c.block_scaled};
   });
   wire_sum = collective == Collective::allreduce && cast_sum == CastSum::wire && summable;
-  two_phase = !wire_sum && (collective == Collective::reduce_scatter || !all_gathered);
+  two_phase = !wire_sum && (collective == Collective::reduce_scatter || !all_gathered ||
+                            cast_sum == CastSum::fp32);
   using enum Step;
   if (collective == Collective::reduce_scatter)
     steps = {encode, alltoall, sum_shard};

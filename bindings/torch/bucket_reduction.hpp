@@ -31,8 +31,15 @@
 // For the casts this buys fp32 accumulation in a fixed order: the sum neither loses precision nor
 // overflows as W grows (fp16/bf16), is bitwise identical on every backend, and equals an
 // in-process simulation (gradzip.simulation.SimulatedWorkers) bit for bit.
-// Top-k: encode the whole bucket (prescale 1/W, error feedback) into gather_in; all-gather;
-// decode-add the W payloads in rank order into zeros.
+// Top-k (CastSum::wire): encode the whole bucket (prescale 1/W, error feedback) into gather_in;
+// all-gather; decode-add the W payloads in rank order into zeros. A rank receives (W - 1) k
+// (index, value) pairs, so the bytes grow with W (more than fp32's ring all-reduce past W ~ 130 at
+// 1 %), and the average holds up to W k nonzeros.
+// Top-k with CastSum::fp32: the two-phase exchange above, each shard its own top-k (k = ceil(ratio
+// * shard size)); the owner decode-adds the W of them and re-encodes the top-k of the sum, keeping
+// the rest in its owner residual (error feedback at both levels: without it, what the owner drops
+// would be lost while every rank counts it as sent). A rank moves about 2 k pairs whatever W, and
+// the average's k nonzeros are the same coordinates on every rank.
 //
 // Reduce-scatter (Collective::reduce_scatter, FSDP's gradient step, which keeps the result
 // sharded): the two-phase encode and all-to-all for every codec, then sum_shard decodes the W
@@ -90,8 +97,9 @@ constexpr int64_t kMinPiece = 64;
 enum class Collective { allreduce, reduce_scatter };
 
 // Where the casts' (fp32, fp16, bf16) all-reduce sums: in the wire dtype, by the backend's one
-// all-reduce, or in fp32 in rank order by the two-phase exchange. The reduce-scatter always sums in
-// fp32.
+// all-reduce, or in fp32 in rank order by the two-phase exchange; top-k's: every rank sums the W
+// all-gathered messages (wire), or the two-phase exchange with the owner's top-k of the sum (fp32).
+// int8 and sign always take the two-phase exchange; the reduce-scatter always sums in fp32.
 enum class CastSum { wire, fp32 };
 // "wire" or "fp32"; anything else is a ValueError.
 CastSum parse_cast_sum(const std::string& name);
@@ -124,7 +132,7 @@ struct BucketLayout {
   Collective collective = Collective::allreduce;
   bool wire_sum = false;                     // one all-reduce of the payload (the casts)
   bool two_phase = true;                     // shards exchanged by all-to-all (else wire_sum or
-                                             // top-k's all-gather)
+                                             // top-k's all-gather, with CastSum::wire)
   std::vector<int64_t> starts;               // W + 1 shard offsets (two-phase)
   std::vector<std::vector<Piece>> pieces;    // per shard, its messages, consecutive from offsets[j]
   // Where this layout's elements begin (all zero but in a chunk): per shard, from the shard's start

@@ -179,8 +179,12 @@ def test_cli_prints_tables():
                          capture_output=True, text=True, check=True).stdout
     assert "Predicted communication time per step" in out
     assert "Break-even link rate" in out
+    assert "Bytes each rank sends per step" in out
     rows = [line for line in out.splitlines() if line.startswith("| 8 |")]
-    assert len(rows) == 2 and len(rows[0].split("|")) == 2 + 2 + len(cm.BENCH_HOOKS)
+    # two link rates of the time table, then the bytes table's row
+    assert len(rows) == 3 and len(rows[0].split("|")) == 2 + 2 + len(cm.BENCH_HOOKS)
+    assert len(rows[2].split("|")) == 2 + 1 + len(cm.BENCH_HOOKS)
+    assert "(1.0x)" in rows[2].split("|")[2]  # fp32's own column: ratio 1
 
 
 def test_cli_rejects_bad_arguments():

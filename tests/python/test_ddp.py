@@ -81,8 +81,9 @@ def check_replicas_and_reference(runs, codec, world, min_numel=32, warmup=0, opt
 TRAIN = [(f"{codec.replace(':', '_')}_{int(static)}", {"codec": codec, "static_graph": static, "steps": 4})
          for codec in CODECS for static in (False, True)]
 TRAIN.append(("warmup", {"codec": "int8", "warmup": 2, "steps": 4}))  # then compression starts
-TRAIN += [(f"{codec}_fp32sum", {"codec": codec, "cast_sum": "fp32", "steps": 4})
-          for codec in ("fp32", "fp16", "bf16")]  # the two-phase sum: equal to the simulation bit for bit
+TRAIN += [(f"{codec.split(':')[0]}_fp32sum", {"codec": codec, "cast_sum": "fp32", "steps": 4})
+          for codec in ("fp32", "fp16", "bf16", "topk:0.1")]  # the two-phase sum (top-k: the
+# owner's top-k of it, with its owner residual): equal to the simulation bit for bit
 # biases and the 40x7 weight in fp32 beside compressed weights
 TRAIN += [(f"{codec.split(':')[0]}_uncompressed", {"codec": codec, "uncompressed_numel": 300,
                                                     "steps": 4})

@@ -238,7 +238,9 @@ def gz_residuals(sim, n):
 
 def run_gradzip(spec, world, steps):
     """steps: list of (grads, numels); returns [(output, residuals after the step)]."""
-    sim = SimulatedWorkers(spec, world, min_compress_numel=0, cast_sum="fp32")
+    # the casts' two-phase fp32 sum; top-k's all-gather (its two-phase form: test_topk_two_phase.py)
+    cast_sum = "wire" if spec.startswith("topk") else "fp32"
+    sim = SimulatedWorkers(spec, world, min_compress_numel=0, cast_sum=cast_sum)
     out = []
     for grads, numels in steps:
         o = sim.reduce(grads, numels=numels).to(F64)

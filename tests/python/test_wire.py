@@ -82,7 +82,7 @@ def test_message_slots_agree_with_the_all_reduce(spec, world):
     """The all-reduce's bytes (C++ BucketLayout) follow from gradzip.wire's message slots: every
     message starts on a 16-byte boundary, the shards are plan.shard_bounds, and an int8/sign shard
     of fewer than 64 elements travels as fp32. (fp16 with its two-phase fp32 sum; its default one
-    all-reduce: test_cast_allreduce.py.)"""
+    all-reduce: test_cast_allreduce.py. Top-k both ways: all-gathered, and two-phase.)"""
     short_exact = spec.split(":")[0] in ("int8", "sign")
     for n in [s for s in SIZES if world <= s <= 1_000_003]:
         def slot(m):
@@ -90,11 +90,13 @@ def test_message_slots_agree_with_the_all_reduce(spec, world):
             return wire.message_slot_bytes(gradzip.encoded_bytes(m, as_spec))
 
         for rank in range(world):
+            if spec.startswith("topk"):  # its all-gather (cast_sum "wire")
+                sent, received = torch.classes.gradzip.BucketReduction(
+                    spec, world, rank, [n], torch.zeros(1), "wire").traffic()
+                assert sent == received == (world - 1) * slot(n), (spec, n)
+            # the two-phase exchange (top-k too, with cast_sum "fp32")
             sent, received = torch.classes.gradzip.BucketReduction(
                 spec, world, rank, [n], torch.zeros(1), "fp32").traffic()
-            if spec.startswith("topk"):
-                assert sent == received == (world - 1) * slot(n), (spec, n)
-                continue
             b = plan.shard_bounds(n, world)
             shard = [slot(b[j + 1] - b[j]) for j in range(world)]
             biggest = max(shard)

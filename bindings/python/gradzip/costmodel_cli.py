@@ -57,7 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--measure", action="store_true",
                     help="time gradzip's ops on this machine for the codec speed")
     ap.add_argument("--codecs", default=",".join(cm.BENCH_HOOKS[1:]),
-                    help="codecs/hooks to compare against the fp32 all-reduce")
+                    help="codecs/hooks to compare against the fp32 all-reduce; SPEC@fp32: the "
+                         "codec with cast_sum='fp32' (top-k's two-phase exchange)")
     args = ap.parse_args(argv)
     try:
         args.workers = [int(w) for w in _floats(args.workers)]
@@ -103,6 +104,16 @@ def main(argv=None) -> int:
             cells = [f"{cm.step_cost(parsed[c], buckets, p, link, sp[c]).seconds * 1e3:.1f}"
                      for c in codecs]
             print(f"| {p} | {g:g} | " + " | ".join(cells) + " |")
+    print()
+    print("## Bytes each rank sends per step (MB); fp32's ring all-reduce divided by them in ()")
+    print()
+    print("| workers | " + " | ".join(codecs) + " |")
+    print("|---:|" + "---:|" * len(codecs))
+    any_link = cm.Link(1.0, args.latency_us * 1e-6, args.efficiency)  # bytes do not depend on it
+    for p in args.workers:
+        sent = {c: cm.step_cost(parsed[c], buckets, p, any_link, sp[c]).sent_bytes for c in codecs}
+        cells = [f"{sent[c] / 1e6:.2f} ({sent['none'] / sent[c]:.1f}x)" for c in codecs]
+        print(f"| {p} | " + " | ".join(cells) + " |")
     link = cm.Link(1.0, args.latency_us * 1e-6, args.efficiency)
     for base in ("none", "torch-bf16"):
         print()

@@ -65,7 +65,7 @@ class CompressionState(ReducerState):
             that optimizer sends around the collective (its moments kept here, with the residuals)
             and leaves in the bucket what ``optimizer.step()`` applies. None: the gradient itself
             is compressed (for torch's optimizers).
-        cast_sum: where fp16/bf16 buckets are summed. ``"wire"``: each rank encodes its whole
+        cast_sum: where fp16/bf16 (and top-k) buckets are summed. ``"wire"``: each rank encodes its whole
             bucket (error feedback into its residual) and one all-reduce (SUM) of the 16-bit
             payloads runs in the backend, in the wire dtype; one collective, but the sum is rounded
             in the backend's order (replicas stay identical: every rank gets the backend's
@@ -74,7 +74,12 @@ class CompressionState(ReducerState):
             order, bitwise identical on every backend and equal to :class:`gradzip.simulation.SimulatedWorkers` bit
             for bit. None (default): ``"wire"``, or ``"fp32"`` with ``optimizer`` and error
             feedback, whose owner residual needs the fp32 sum (``"wire"`` there is a ValueError).
-            Other codecs are not affected.
+            Top-k: ``"wire"`` (the default) all-gathers every rank's k pairs, so a rank receives
+            (W - 1) k of them (more than fp32's ring all-reduce past W ~ 130 at 1 %) and the
+            average holds up to W k nonzeros; ``"fp32"`` takes the two-phase exchange, whose shard
+            owners keep the top-k of the summed shard (and an owner residual of the rest): about
+            2 k pairs per rank whatever W, and k nonzeros, the same on every rank. int8 and sign
+            are not affected.
         max_grad_norm: with ``optimizer``, clips each rank's gradient to this norm before it
             enters the optimizer's momentum and the compressor, bucket by bucket (each bucket its
             share of the norm, from the previous step: see :mod:`gradzip.local_clip`); the

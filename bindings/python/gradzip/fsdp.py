@@ -197,7 +197,7 @@ class FSDPCompressionState(ReducerState):
         # reduce-scatter sums every codec in fp32
         super().__init__(ReducerConfig(codec, error_feedback, warmup_steps, min_compress_numel,
                                  guard_nonfinite, cast_sum="fp32",
-                                 uncompressed_numel=uncompressed_numel))
+                                 uncompressed_numel=uncompressed_numel, reduce_scatter=True))
         self.param_codec = None if param_codec is None else _param_codec(param_codec)
         # the parameter all-gathers' bytes since construction (CompressedAllGather adds to it)
         self._gather_traffic = {"bytes_sent": 0, "raw_bytes": 0}

@@ -32,7 +32,9 @@ class ReducerConfig:
     def __init__(self, codec: str, error_feedback: bool, warmup_steps: int, min_compress_numel: int,
                  guard_nonfinite: bool, optimizer=None, cast_sum: Optional[str] = None,
                  warmup_codec: Optional[str] = None, uncompressed_numel: int = 0,
-                 max_grad_norm: Optional[float] = None):
+                 max_grad_norm: Optional[float] = None, reduce_scatter: bool = False):
+        # FSDP's reduce-scatter: each rank keeps its shard of the sum, no owner re-encodes it
+        self.reduce_scatter = bool(reduce_scatter)
         self.direction = None
         if optimizer is not None:
             direction = getattr(optimizer, "direction", None)
@@ -53,9 +55,13 @@ class ReducerConfig:
         # zero; so fp32 costs neither a residual's memory nor its passes.
         self.keeps_residual = (self.error_feedback
                                and CodecPlan.parse(codec).kind not in wire.LOSSLESS_KINDS)
-        # The owner residual exists only where one rank forms the sum in fp32 (the two-phase path).
+        # The owner residual exists only where one rank forms the sum in fp32 (the two-phase path):
+        # by default the casts' sum under an optimizer direction, whose owner residual needs it;
+        # top-k all-gathers unless asked for the two-phase exchange (cast_sum="fp32").
         if cast_sum is None:
-            cast_sum = "fp32" if self.wants_owner_residual else "wire"
+            direction_owner = self.keeps_residual and self.direction is not None
+            cast_sum = "fp32" if direction_owner and CodecPlan.parse(codec).kind not in \
+                wire.ALL_GATHERED_KINDS else "wire"
         self.plan = CodecPlan.parse(codec, cast_sum)
         if self.wants_owner_residual and self.plan.wire_sum:
             raise ValueError(f"gradzip: {type(optimizer).__name__} with error feedback keeps the "
@@ -145,8 +151,12 @@ class ReducerConfig:
     def wants_owner_residual(self) -> bool:
         """The owner's second residual on the reduced shard of a two-phase bucket: measured to help
         only where an optimizer direction is compressed (on raw gradients it compounds the two
-        errors)."""
-        return self.keeps_residual and self.direction is not None
+        errors); and always for top-k's two-phase exchange, whose owner keeps only the k largest of
+        the sum: without it the rest would be lost, though every rank's residual counts it as
+        sent."""
+        return self.keeps_residual and not self.reduce_scatter and (
+            self.direction is not None or (self.plan.two_phase
+                                           and self.plan.kind in wire.ALL_GATHERED_KINDS))
 
     @property
     def keeps_state(self) -> bool:

@@ -60,7 +60,7 @@ def allreduce_collective(kind: str, cast_sum: str) -> str:
         raise ValueError(f"gradzip: cast_sum must be one of {CAST_SUMS}, got {cast_sum!r}")
     if kind in SUMMABLE_KINDS and cast_sum == "wire":
         return "cast_allreduce"
-    if kind in ALL_GATHERED_KINDS:
+    if kind in ALL_GATHERED_KINDS and cast_sum == "wire":
         return "allgather"
     return "lowrank" if kind == "lowrank" else "two_phase"
 

@@ -12,7 +12,8 @@
 //   sparse        the payload is k increasing u32 indices, then k values (top-k): validators check
 //                 every index, decoders write zeros and scatter the values
 //   all_gathered  an all-reduce all-gathers every rank's message of the whole bucket and each rank
-//                 decode-adds them, instead of the two-phase exchange (top-k)
+//                 decode-adds them, instead of the two-phase exchange (top-k; the bucket reduction
+//                 takes the two-phase exchange for it too when asked, CastSum::fp32)
 #pragma once
 
 #include "gradzip/codec/cast.hpp"

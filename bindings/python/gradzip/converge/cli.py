@@ -219,6 +219,9 @@ def _main(argv=None) -> int:
     suite = get_suite(args.suite)
     configs = with_seeds(select(suite.configs(**overrides(args)), args.codecs,
                                 replace(suite.base, **overrides(args))), args.seeds)
+    if args.strategy == "fsdp" and any(c.cast_sum for c in configs):
+        raise SystemExit("a cast_sum (@fp32 runs) applies to the all-reduce; FSDP's reduce-scatter "
+                         "always sums in fp32")
     if args.strategy == "fsdp" and any(c.warmup_codec for c in configs):
         raise SystemExit("a warm-up codec (+wN:CODEC runs) applies to the all-reduce; under "
                          "--strategy fsdp the warm-up is FSDP's own reduce-scatter")

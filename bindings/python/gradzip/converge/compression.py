@@ -59,14 +59,15 @@ class Reducer:
     parameters' shapes (instead of ``param_numels``), which lowrank (matrices) and
     ``uncompressed_numel`` (as CompressionState's) need. ``warmup_steps``: the first steps are
     averaged uncompressed, or in ``warmup_codec`` (and counted as such in the bytes).
-    ``max_grad_norm``: with ``optimizer``, each worker's gradient clipped (SimulatedWorkers')."""
+    ``max_grad_norm``: with ``optimizer``, each worker's gradient clipped (SimulatedWorkers').
+    ``cast_sum``: SimulatedWorkers' (None: its default)."""
 
     def __init__(self, codec: str, workers: int, error_feedback: bool = True,
                  param_numels: list[int] | None = None, bucket_cap_mb: float = 25.0,
                  first_bucket_bytes: int = FIRST_BUCKET_BYTES, warmup_steps: int = 0,
                  optimizer=None, param_shapes: list[tuple] | None = None,
                  warmup_codec: str | None = None, uncompressed_numel: int = 0,
-                 max_grad_norm: float | None = None):
+                 max_grad_norm: float | None = None, cast_sum: str | None = None):
         from gradzip.simulation import SimulatedWorkers  # compiled extension: imported only here
 
         self.codec = canonical_codec(codec)
@@ -83,7 +84,7 @@ class Reducer:
                                      warmup_steps=warmup_steps,
                                      optimizer=optimizer, warmup_codec=warmup_codec,
                                      uncompressed_numel=uncompressed_numel,
-                                     max_grad_norm=max_grad_norm)
+                                     max_grad_norm=max_grad_norm, cast_sum=cast_sum)
         self.bytes_per_step = 0  # bytes one worker sent in the last step
         self.raw_bytes_per_step = 0  # what an uncompressed fp32 ring all-reduce would send
 

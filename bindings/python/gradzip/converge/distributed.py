@@ -58,7 +58,7 @@ class _DDP:
             cfg.codec, **baseline_or_codec(cfg.codec, cfg.error_feedback),
             warmup_steps=compress_warmup_steps(cfg), optimizer=hook_optimizer(self.opt),
             warmup_codec=cfg.warmup_codec, uncompressed_numel=cfg.uncompressed_numel,
-            max_grad_norm=reduction_clip(cfg, self.opt))
+            max_grad_norm=reduction_clip(cfg, self.opt), cast_sum=cfg.cast_sum)
         self.forward.register_comm_hook(self.state, compress_hook)
 
 

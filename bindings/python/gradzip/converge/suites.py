@@ -81,6 +81,14 @@ CLIP_STUDY = (("fp32", False), ("sign", True), ("topk:0.01:values=fp16", True))
 CPU_LONG = replace(CPU_LM, steps=2400, eval_every=200, checkpoint_every=200)
 LONG_STUDY = (("fp32", False), ("int8", True), ("sign", True), ("topk:0.01:values=fp16", True))
 
+# Top-k's forms on cpu-lm: all-gathered (every rank's k pairs to every rank: the average holds up
+# to W k nonzeros, a rank's bytes grow with W) and the two-phase exchange (cast_sum "fp32": each
+# shard's owner keeps the top-k of the sum; bytes per rank flat in W), at 1 % and at 2 % (the
+# all-gathered 1 %'s bytes at 4 workers).
+TWO_PHASE = {"cast_sum": "fp32"}
+TOPK_STUDY = (("fp32", False), ("topk:0.01:values=fp16", True),
+              ("topk:0.01:values=fp16", True, TWO_PHASE), ("topk:0.02:values=fp16", True, TWO_PHASE))
+
 SUITES = {
     "cpu-default": Suite(
         "cpu-default",
@@ -114,6 +122,11 @@ SUITES = {
         CPU_LM_CLIP, CLIP_STUDY, "cpu",
         "cpu-lm with gradient clipping at 1.0: fp32 with clip_grad_norm_, sign and top-k 1 % "
         "under the recipe with max_grad_norm (each worker's gradient, in the reduction)"),
+    "cpu-lm-topk": Suite(
+        "cpu-lm-topk",
+        CPU_LM, TOPK_STUDY, "cpu",
+        "cpu-lm's top-k forms under the recipe: all-gathered 1 %, and the two-phase exchange "
+        "(bytes per rank flat in the number of workers) at 1 % and 2 %"),
     "cpu-long": Suite(
         "cpu-long",
         CPU_LONG, LONG_STUDY, "cpu",

@@ -61,6 +61,8 @@ class RunConfig:
     warmup_codec: str | None = None  # the warm-up's buckets in this codec (e.g. bf16; no error
     # feedback, bytes counted); None: fp32
     param_codec: str | None = None  # FSDP only: its parameter all-gathers in this codec
+    cast_sum: str | None = None  # CompressionState's (e.g. "fp32": top-k's two-phase exchange);
+    # None: its default
     uncompressed_numel: int = 0  # int8/sign: 1-D tensors and those under N elements sent in fp32
     max_grad_norm: float | None = None  # gradient clipping where the loop can clip: torch's
     # clip_grad_norm_ on the averaged gradient, or each worker's in the reduction for gradzip.optim's
@@ -90,6 +92,7 @@ class RunConfig:
         name += f":{canonical_codec(self.warmup_codec)}" if self.warmup_codec else ""
         name += f"+u{self.uncompressed_numel}" if self.uncompressed_numel else ""
         name += f"+gclip{self.max_grad_norm:g}" if self.max_grad_norm is not None else ""
+        name += f"@{self.cast_sum}" if self.cast_sum else ""  # the cost model's spelling
         return name + (f"+params={self.param_codec}" if self.param_codec else "")
 
 
@@ -337,7 +340,7 @@ def train_simulated(cfg: RunConfig, out: Path, data: tuple[dict, dict], device: 
                       bucket_cap_mb=cfg.bucket_cap_mb, warmup_steps=compress_warmup_steps(cfg),
                       optimizer=hook_optimizer(opt), warmup_codec=cfg.warmup_codec,
                       uncompressed_numel=cfg.uncompressed_numel,
-                      max_grad_norm=reduction_clip(cfg, opt))
+                      max_grad_norm=reduction_clip(cfg, opt), cast_sum=cfg.cast_sum)
     start, wall = 0, 0.0
     if (state := files.load_checkpoint()) is not None:
         model.load_state_dict(state["model"])

@@ -6,8 +6,9 @@ latency, beta: goodput of one link direction, links full duplex):
   ring all-reduce of S bytes      2 (p-1) alpha + 2 (p-1)/p * S / beta
   ring all-gather, s bytes each     (p-1) alpha +   (p-1)   * s / beta
   pairwise all-to-all, s per peer   (p-1) alpha +   (p-1)   * s / beta
-  two-phase (int8, sign; fp16 and  all-to-all of encoded shards, then all-gather of the re-encoded
-  bf16 with cast_sum="fp32")      shard: ~2 E(n) bytes whatever p is
+  two-phase (int8, sign; the      all-to-all of encoded shards, then all-gather of the re-encoded
+  casts and top-k with            shard: ~2 E(n) bytes whatever p is
+  cast_sum="fp32")
 
 plus the codec's own compute (fused error-feedback encode, decode-add), from measured throughput
 (`measure_codec_speed`, through gradzip's ops) or from a memory-bandwidth parameter and the bytes
@@ -17,9 +18,10 @@ overhead) and the bytes each rank sends.
 
 The collective each hook uses is gradzip.plan's (both take it, and the spec grammar, from
 gradzip.wire): gradzip's fp16 and bf16 (cast_sum "wire", the hook's default) as one 16-bit ring
-all-reduce of the payload, as PyTorch's 16-bit hooks (the header is not sent); two-phase for fp32,
-int8, sign and the casts with cast_sum "fp32" (fp32 accumulation, plus a header per shard);
-all-gather of fixed-size payloads for top-k; and buckets under `min_compress_numel` elements as a
+all-reduce of the payload, as PyTorch's 16-bit hooks (the header is not sent), and fp32 as DDP's
+fp32 all-reduce; two-phase for int8, sign, and the casts and top-k with cast_sum "fp32" (fp32
+accumulation, plus a header per shard; top-k: each shard's k pairs, whatever p); all-gather of
+fixed-size payloads for top-k with cast_sum "wire" (p - 1 of them received); and buckets under `min_compress_numel` elements as a
 plain fp32 all-reduce. PyTorch's hooks: `none` is DDP's fp32 ring all-reduce,
 `torch-fp16`/`torch-bf16` a 16-bit all-reduce, PowerSGD three all-reduces per bucket
 (uncompressed tensors, P, Q); gradzip's lowrank:R two (P with the uncompressed tensors, Q), per
@@ -52,8 +54,9 @@ class Codec:
     powersgd[:RANK].
     collective: allreduce (PyTorch's hooks) | cast_allreduce | two_phase | allgather | powersgd |
     lowrank.
-    cast_sum: gradzip's fp32/fp16/bf16 as ``CompressionState(cast_sum=...)`` ("wire":
-    cast_allreduce, one all-reduce of the payload in the wire dtype; "fp32": two_phase). uncompressed_numel: as
+    cast_sum: gradzip's fp32/fp16/bf16 and top-k as ``CompressionState(cast_sum=...)`` ("wire":
+    cast_allreduce, one all-reduce of the payload in the wire dtype, or top-k's allgather; "fp32":
+    two_phase). uncompressed_numel: as
     ``CompressionState(uncompressed_numel=...)``, the tensors int8/sign send in fp32."""
 
     kind: str
@@ -66,7 +69,10 @@ class Codec:
 
     @staticmethod
     def parse(name: str, cast_sum: str = "wire", uncompressed_numel: int = 0) -> "Codec":
-        codec = Codec._parse(name.strip(), cast_sum)
+        """``name``: a hook name or codec spec; ``SPEC@fp32`` is that codec with cast_sum "fp32"
+        (e.g. ``topk:0.02@fp32``, top-k's two-phase exchange)."""
+        name, given = split_cast_sum(name)
+        codec = Codec._parse(name, given or cast_sum)
         return replace(codec, uncompressed_numel=uncompressed_numel) if uncompressed_numel else codec
 
     @staticmethod
@@ -97,6 +103,15 @@ class Codec:
             return 0
         return sum(numel(s) for s in shapes if numel(s) < wire.MIN_PIECE
                    or wire.travels_uncompressed(s, self.uncompressed_numel))
+
+
+def split_cast_sum(name: str) -> tuple[str, str | None]:
+    """A hook name ``SPEC@SUM`` as (SPEC, SUM), SUM a CompressionState cast_sum ("fp32": the
+    two-phase exchange); a plain name as (name, None)."""
+    name, at, cast_sum = name.strip().partition("@")
+    if at and cast_sum not in wire.CAST_SUMS:
+        raise ValueError(f"codec {name}@{cast_sum}: expected SPEC@fp32 or SPEC@wire")
+    return name, (cast_sum if at else None)
 
 
 def _int(s: str, name: str) -> int:
@@ -226,7 +241,8 @@ def codec_speeds(names: Iterable[str], measure: bool = False,
                                                              and codec.collective == "allreduce"):
             out[name] = None
         elif measure:
-            out[name] = measure_codec_speed(codec.kind if codec.collective == "allreduce" else name)
+            out[name] = measure_codec_speed(codec.kind if codec.collective == "allreduce"
+                                            else split_cast_sum(name)[0])
         else:
             out[name] = CodecSpeed.from_memory_bandwidth(codec, mem_gbytes_per_s)
     return out
@@ -386,4 +402,4 @@ def break_even(codec: Codec | str, baseline: Codec | str, buckets, p: int, link:
 
 # The hooks the bandwidth benchmark runs, in the order of its table.
 BENCH_HOOKS = ("none", "torch-fp16", "torch-bf16", "powersgd:2", "bf16", "int8", "sign",
-               "topk:0.01")
+               "topk:0.01", "topk:0.02@fp32")

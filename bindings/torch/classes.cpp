@@ -14,10 +14,10 @@
 //   gradzip::reduce_lowrank_in_memory(ranks, xs, residuals, qs)   the all-reduces done in memory
 //   NonfiniteGuard()
 // and the layout's sizes as ops (gradzip::fp32_traffic, shard_starts, lowrank_sizes;
-// lowrank_rank_of parses a lowrank spec: its R, or 0 for another codec; wire_constants: the
-// constants gradzip/wire.py restates, by name). Each reduction reports the
-// bytes of what it lays out: traffic() -> (sent, received), of a bucket index's last reduction for
-// CompressedAllreduce, of its rank for BucketReduction and LowRankReduction.
+// lowrank_rank_of parses a lowrank spec: its R, or 0 for another codec; wire_constants and
+// codec_facts: the constants and the codecs' facts gradzip/wire.py restates). Each reduction
+// reports the bytes of what it lays out: traffic() -> (sent, received), of a bucket index's last
+// reduction for CompressedAllreduce, of its rank for BucketReduction and LowRankReduction.
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -132,6 +132,23 @@ c10::Dict<std::string, int64_t> wire_constants() {
   return d;
 }
 
+// Every codec kind, in wire-id order, with the facts its traits state (gradzip/codec/visit.hpp):
+// for the test that ties gradzip/wire.py's tables of kinds to them.
+c10::Dict<std::string, c10::List<std::string>> codec_facts() {
+  c10::Dict<std::string, c10::List<std::string>> d;
+  for (uint8_t id = 0; known_codec(static_cast<CodecKind>(id)); ++id) {
+    visit(static_cast<CodecKind>(id), [&](auto c) {
+      c10::List<std::string> facts;
+      if (c.block_scaled) facts.push_back("block_scaled");
+      if (c.summable) facts.push_back("summable");
+      if (c.sparse) facts.push_back("sparse");
+      if (c.all_gathered) facts.push_back("all_gathered");
+      d.insert(c.spec_name, facts);
+    });
+  }
+  return d;
+}
+
 }  // namespace
 }  // namespace gradzip::torch_ext
 
@@ -235,4 +252,5 @@ TORCH_LIBRARY_FRAGMENT(gradzip, m) {
   m.def("lowrank_sizes(int rank, int[] numels, int[] rows) -> int[]", &lowrank_sizes_op);
   m.def("lowrank_rank_of(str spec) -> int", &lowrank_rank_of);
   m.def("wire_constants() -> Dict(str, int)", &wire_constants);
+  m.def("codec_facts() -> Dict(str, str[])", &codec_facts);
 }

@@ -183,6 +183,25 @@ def test_the_constants_are_the_extensions():
     assert python == ext
 
 
+def test_the_codec_tables_are_the_extensions():
+    """gradzip.wire's tables of kinds hold what the codecs' traits state (a new codec kind fails
+    here until every Python table knows it): the kinds in wire-id order, each fact's kinds, the
+    lossless kinds by round trip, and the cost model's per-kind memory traffic."""
+    facts = {k: list(v) for k, v in torch.ops.gradzip.codec_facts().items()}
+    assert tuple(facts) == wire.KINDS
+    for fact, kinds in (("block_scaled", wire.BLOCK_SCALED_KINDS),
+                        ("summable", wire.SUMMABLE_KINDS),
+                        ("all_gathered", wire.ALL_GATHERED_KINDS)):
+        assert tuple(k for k in wire.KINDS if fact in facts[k]) == kinds, fact
+    x = torch.randn(1001, generator=torch.Generator().manual_seed(0)) * 1e3
+    for kind in wire.KINDS:
+        spec = "topk:0.5" if kind == "topk" else kind
+        lossless = torch.equal(gradzip.decode(gradzip.encode(x, spec)), x)
+        assert lossless == (kind in wire.LOSSLESS_KINDS), kind
+    assert set(wire.KINDS) <= set(cm.ENCODE_EF_BYTES) and set(wire.KINDS) <= set(
+        cm.DECODE_ADD_BYTES)
+
+
 def test_cost_model_runs_without_the_extension():
     """The cost model's CLI with the compiled ops hidden: its sizes are gradzip.wire's, equal to
     the extension's."""

@@ -190,7 +190,11 @@ std::vector<BucketLayout> BucketLayout::chunks(const Codec& codec, int64_t eleme
   TORCH_CHECK_VALUE(elements >= 1, "gradzip: chunks of ", elements, " elements");
   TORCH_CHECK(count == n, "gradzip: a chunk is not cut again");
   const int64_t wanted = n / elements + (n % elements != 0);
-  if (wanted <= 1 || collective == Collective::reduce_scatter || (!two_phase && !wire_sum))
+  // Top-k selects over a whole message (the bucket, or a two-phase shard): a cut would change what
+  // it keeps.
+  const bool selects = visit(codec.kind(), [](auto c) { return c.sparse; });
+  if (wanted <= 1 || collective == Collective::reduce_scatter || (!two_phase && !wire_sum) ||
+      selects)
     return {*this};
   std::vector<BucketLayout> out;
   if (wire_sum) {

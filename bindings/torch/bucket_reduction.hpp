@@ -75,7 +75,7 @@
 // on the sizes it is given: with W > 2 ranks the chunks' sums may round differently, as they may
 // between backends. Each cut adds bytes: a header (32 bytes) and its alignment per cut piece, and
 // per chunk an all-gather slot sized for its largest shard. Top-k (it selects over the whole
-// bucket) and the reduce-scatter are not chunked.
+// bucket, or the whole shard in the two-phase exchange) and the reduce-scatter are not chunked.
 //
 // Workspaces are allocated once, at construction; a bucket whose layout changes needs a new object.
 #pragma once

@@ -394,6 +394,15 @@ void BucketReduction::decode_all(const Messages& m, const uint8_t* wire, float* 
 void BucketReduction::compute(Step step, const Operands& operands) {
   switch (step) {
     case Step::encode:
+      // Top-k's owner keeps only the top-k of the summed shard: with error feedback the rest must
+      // go to its owner residual, or it would be lost while every rank counts it as sent.
+      TORCH_CHECK_VALUE(!(operands.residual.defined() && layout_.two_phase &&
+                          layout_.collective == Collective::allreduce &&
+                          visit(codec_.kind(), [](auto c) { return c.sparse; })) ||
+                            operands.owner_residual.defined(),
+                        "gradzip: top-k's two-phase exchange with error feedback needs an owner "
+                        "residual (this rank's shard of the bucket): the owner keeps the top-k of "
+                        "the sum and what it drops goes there");
       if (operands.prescale)
         encode(operands.x, operands.residual, *operands.prescale);
       else

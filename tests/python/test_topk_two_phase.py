@@ -145,6 +145,21 @@ def test_bytes_per_rank_stay_flat_and_match_the_cost_model():
     assert ratio[32, "wire"] < ratio[4, "wire"] / 7  # W / 4: 8x fewer
 
 
+def test_error_feedback_without_an_owner_residual_is_refused():
+    """The C++ reduction refuses a worker residual without an owner residual (what the owner
+    drops would vanish silently), in every driver: here the in-memory one."""
+    n, world = 1000, 2
+    ranks = [torch.classes.gradzip.BucketReduction("topk:0.1", world, r, [n], torch.zeros(1),
+                                                   "fp32") for r in range(world)]
+    xs = [torch.randn(n) for _ in range(world)]
+    with pytest.raises(ValueError, match="owner residual"):
+        torch.ops.gradzip.reduce_in_memory(ranks, xs, [torch.zeros(n)] * world, [None] * world,
+                                           [torch.empty(n) for _ in range(world)])
+    outs = [torch.empty(n) for _ in range(world)]  # without error feedback: nothing to keep
+    torch.ops.gradzip.reduce_in_memory(ranks, xs, [None] * world, [None] * world, outs)
+    assert torch.equal(outs[0], outs[1]) and (outs[0] != 0).sum() <= 2 * 50
+
+
 def test_default_stays_all_gathered():
     """Top-k all-gathers unless cast_sum="fp32" is asked for, with or without an optimizer."""
     assert SimulatedWorkers("topk:0.01", 4).config.plan.collective == "allgather"

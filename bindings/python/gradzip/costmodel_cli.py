@@ -104,17 +104,16 @@ def main(argv=None) -> int:
             cells = [f"{cm.step_cost(parsed[c], buckets, p, link, sp[c]).seconds * 1e3:.1f}"
                      for c in codecs]
             print(f"| {p} | {g:g} | " + " | ".join(cells) + " |")
+    link = cm.Link(1.0, args.latency_us * 1e-6, args.efficiency)  # the bytes do not depend on it
     print()
     print("## Bytes each rank sends per step (MB); fp32's ring all-reduce divided by them in ()")
     print()
     print("| workers | " + " | ".join(codecs) + " |")
     print("|---:|" + "---:|" * len(codecs))
-    any_link = cm.Link(1.0, args.latency_us * 1e-6, args.efficiency)  # bytes do not depend on it
     for p in args.workers:
-        sent = {c: cm.step_cost(parsed[c], buckets, p, any_link, sp[c]).sent_bytes for c in codecs}
+        sent = {c: cm.step_cost(parsed[c], buckets, p, link, sp[c]).sent_bytes for c in codecs}
         cells = [f"{sent[c] / 1e6:.2f} ({sent['none'] / sent[c]:.1f}x)" for c in codecs]
         print(f"| {p} | " + " | ".join(cells) + " |")
-    link = cm.Link(1.0, args.latency_us * 1e-6, args.efficiency)
     for base in ("none", "torch-bf16"):
         print()
         print(f"## Break-even link rate (Gbit/s) against {base}: the codec is faster below "

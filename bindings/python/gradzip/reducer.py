@@ -53,15 +53,15 @@ class ReducerConfig:
         self.error_feedback = bool(error_feedback)
         # What error feedback keeps: nothing for a lossless codec (fp32), whose residual would stay
         # zero; so fp32 costs neither a residual's memory nor its passes.
-        self.keeps_residual = (self.error_feedback
-                               and CodecPlan.parse(codec).kind not in wire.LOSSLESS_KINDS)
+        kind = CodecPlan.parse(codec).kind
+        self.keeps_residual = self.error_feedback and kind not in wire.LOSSLESS_KINDS
         # The owner residual exists only where one rank forms the sum in fp32 (the two-phase path):
         # by default the casts' sum under an optimizer direction, whose owner residual needs it;
         # top-k all-gathers unless asked for the two-phase exchange (cast_sum="fp32").
         if cast_sum is None:
             direction_owner = self.keeps_residual and self.direction is not None
-            cast_sum = "fp32" if direction_owner and CodecPlan.parse(codec).kind not in \
-                wire.ALL_GATHERED_KINDS else "wire"
+            cast_sum = "fp32" if direction_owner and kind not in wire.ALL_GATHERED_KINDS else \
+                "wire"
         self.plan = CodecPlan.parse(codec, cast_sum)
         if self.wants_owner_residual and self.plan.wire_sum:
             raise ValueError(f"gradzip: {type(optimizer).__name__} with error feedback keeps the "

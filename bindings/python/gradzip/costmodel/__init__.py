@@ -21,8 +21,8 @@ gradzip.wire): gradzip's fp16 and bf16 (cast_sum "wire", the hook's default) as 
 all-reduce of the payload, as PyTorch's 16-bit hooks (the header is not sent), and fp32 as DDP's
 fp32 all-reduce; two-phase for int8, sign, and the casts and top-k with cast_sum "fp32" (fp32
 accumulation, plus a header per shard; top-k: each shard's k pairs, whatever p); all-gather of
-fixed-size payloads for top-k with cast_sum "wire" (p - 1 of them received); and buckets under `min_compress_numel` elements as a
-plain fp32 all-reduce. PyTorch's hooks: `none` is DDP's fp32 ring all-reduce,
+fixed-size payloads for top-k with cast_sum "wire" (p - 1 of them received); and buckets under
+`min_compress_numel` elements as a plain fp32 all-reduce. PyTorch's hooks: `none` is DDP's fp32 ring all-reduce,
 `torch-fp16`/`torch-bf16` a 16-bit all-reduce, PowerSGD three all-reduces per bucket
 (uncompressed tensors, P, Q); gradzip's lowrank:R two (P with the uncompressed tensors, Q), per
 DDP bucket and per FSDP2 parameter group alike (gradzip.fsdp reduces a group's unsharded gradient

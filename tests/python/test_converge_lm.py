@@ -127,7 +127,7 @@ def test_summary_pairs_the_val_loss_with_fp32_per_seed(tmp_path, data):
     torch.set_num_threads(1)
     configs = [replace(TINY, steps=4, codec=c, seed=s) for c in ("fp32", "int8") for s in (0, 1)]
     results = [train_simulated(c, tmp_path, data, torch.device("cpu")) for c in configs]
-    assert summarise(tmp_path, "lm-test", configs, results) == 0
+    assert summarise(tmp_path, "lm-test", results) == 0
     rows = _csv(tmp_path / "summary.csv")
     assert list(rows[0]) == ["run", "codec", "error_feedback", "seed", "bytes_per_step",
                              "total_bytes", "compression_ratio", "steady_ratio", "val_loss",
@@ -151,7 +151,7 @@ def test_summary_pairs_the_val_loss_with_fp32_per_seed(tmp_path, data):
     # A later command over part of the runs (--codecs int8) adds to the folder's summary: the
     # fp32 rows stay (and pair), the other ones are this command's.
     evals = (tmp_path / "evals.jsonl").read_text()
-    assert summarise(tmp_path, "lm-test", configs[2:], results[2:]) == 0
+    assert summarise(tmp_path, "lm-test", results[2:]) == 0
     again = _csv(tmp_path / "summary.csv")
     assert sorted((r["run"], r["seed"]) for r in again) == sorted(
         (r["run"], r["seed"]) for r in rows)

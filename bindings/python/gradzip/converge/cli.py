@@ -22,6 +22,7 @@ import torch
 
 from .._extras import require
 from .output import Progress, clear_results, summarise, write_suite_json
+from .local_training import train_local
 from .suites import SUITES, get_suite
 from .training import (OPTIMIZERS, RunConfig, RunFiles, data_key, load_data, setup_process,
                        train_simulated)
@@ -132,7 +133,8 @@ def run_job(cfg: RunConfig, out: Path, device: torch.device, quiet: bool = True)
         _data[data_key(cfg)] = load_data(cfg, out / "data")
     bar = Progress(cfg, quiet)
     try:
-        return train_simulated(cfg, out, _data[data_key(cfg)], device, progress=bar)
+        train = train_local if cfg.local_steps else train_simulated
+        return train(cfg, out, _data[data_key(cfg)], device, progress=bar)
     finally:
         bar.close()
 
@@ -222,6 +224,9 @@ def _main(argv=None) -> int:
     if args.strategy == "fsdp" and any(c.cast_sum for c in configs):
         raise SystemExit("a cast_sum (@fp32 runs) applies to the all-reduce; FSDP's reduce-scatter "
                          "always sums in fp32")
+    if args.strategy != "simulated" and any(c.local_steps for c in configs):
+        raise SystemExit("local-steps runs (+H) run with simulated workers only; "
+                         "gradzip.local_steps.LocalSteps is the multi-rank outer loop")
     if args.strategy == "fsdp" and any(c.warmup_codec for c in configs):
         raise SystemExit("a warm-up codec (+wN:CODEC runs) applies to the all-reduce; under "
                          "--strategy fsdp the warm-up is FSDP's own reduce-scatter")
@@ -239,4 +244,4 @@ def _main(argv=None) -> int:
         clear_results(out)
     out.mkdir(parents=True, exist_ok=True)
     write_suite_json(out, suite, device, args)
-    return summarise(out, suite.name, configs, run_all(configs, out, device, args))
+    return summarise(out, suite.name, run_all(configs, out, device, args))

@@ -51,6 +51,15 @@ def bucket_bounds(numels: list[int], cap_bytes: int,
     return bounds
 
 
+def fp32_step_bytes(numels: list[int], workers: int, bucket_cap_mb: float = 25.0) -> int:
+    """What one worker sends in a step of the uncompressed baseline: an fp32 ring all-reduce of
+    each of DDP's buckets (the ``raw_bytes`` every run's ratio is taken against)."""
+    from gradzip import _ops  # compiled extension: imported only here
+
+    return sum(_ops.fp32_traffic(b - a, workers)
+               for a, b in bucket_bounds(numels, int(bucket_cap_mb * 2**20)))
+
+
 class Reducer:
     """Averages W flat fp32 gradients bucket by bucket; keeps the last step's traffic.
 

@@ -205,7 +205,7 @@ def main_distributed(args, suite, configs: list[RunConfig], device: torch.device
             finally:
                 bar.close()
         if rank == 0:
-            summarise(out, f"{suite.name} ({strategy.name}, {backend}, world {world})", configs,
+            summarise(out, f"{suite.name} ({strategy.name}, {backend}, world {world})",
                       [results[c] for c in configs])
         # Gloo's worker thread drops a finished collective's tensors a moment after its wait()
         # returns; if the last of them (broadcast_object_list's, made in Python) is dropped while

@@ -80,11 +80,10 @@ def write_suite_json(out: Path, suite, device: torch.device, args) -> None:
          "jobs": args.jobs, "cpus": os.cpu_count(), "environment": environment()}, indent=1))
 
 
-def summarise(out: Path, suite_name: str, configs: list[RunConfig], results: list[dict]) -> int:
-    """Writes and prints the summary of ``out``: this command's ``results`` (of ``configs``), then
+def summarise(out: Path, suite_name: str, results: list[dict]) -> int:
+    """Writes and prints the summary of ``out``: this command's ``results``, then
     every other run stored in ``out/runs`` by earlier commands (other --codecs or --seeds), so that
     a suite's one summary covers its folder; each row names the code it was trained with."""
-    del configs  # the rows come from the results, which hold their configs
     results = with_stored_results(out, results)
     for name in ("steps", "evals"):  # the runs' own logs, concatenated in table order
         with open(out / f"{name}.jsonl", "w") as f:

@@ -27,6 +27,9 @@ REFRESH_INT8_2 = dict(REFRESH_INT8_4, refreshes_per_doubling=2)
 WHOLE_RUN = (("fp32", False), ("sign", True, REFRESH_INT8_4), ("sign", True, REFRESH_INT8_2),
              ("topk:0.01:values=fp16", True, REFRESH_INT8_4),
              ("topk:0.01:values=fp16", True, REFRESH_INT8_2))
+# The same on the language model, beside the recipe's 60 fp32 steps.
+LM_WHOLE_RUN = (("fp32", False), ("sign", True), ("sign", True, REFRESH_INT8_4),
+                ("sign", True, REFRESH_INT8_2))
 RECIPES = (("fp32", False), ("sign", True, FROZEN), ("sign", False, FROZEN),
            ("topk:0.01:values=fp16", True, FROZEN), ("topk:0.01:values=fp16", False, FROZEN),
            ("sign", True, FROZEN_BF16), ("topk:0.01:values=fp16", True, FROZEN_BF16))
@@ -89,6 +92,14 @@ TWO_PHASE = {"cast_sum": "fp32"}
 TOPK_STUDY = (("fp32", False), ("topk:0.01:values=fp16", True),
               ("topk:0.01:values=fp16", True, TWO_PHASE), ("topk:0.02:values=fp16", True, TWO_PHASE))
 
+# Local steps (gradzip.local_steps, DiLoCo's outer loop) on cpu-lm: each worker trains its own
+# replica with AdamW, the replicas sync every H steps, the outer gradient in fp32 (the cost of the
+# local steps alone) or compressed with error feedback, beside the per-step fp32 baseline.
+LOCAL_STUDY = (("fp32", False), ("fp32", False, {"local_steps": 10}),
+               ("int8", True, {"local_steps": 10}), ("int8", True, {"local_steps": 50}),
+               ("sign", True, {"local_steps": 10}), ("topk:0.02:values=fp16", True,
+                                                     {"local_steps": 10}))
+
 SUITES = {
     "cpu-default": Suite(
         "cpu-default",
@@ -107,6 +118,11 @@ SUITES = {
         "cpu-default's settings, sign and top-k 1 % under the frozen-variance Adam compressed from "
         "step 4, its variance refreshed at doubling gaps (0/1 Adam's schedule), the warm-up and "
         "the refreshes in int8: bytes over the whole run against cpu-recipes' 60 fp32 steps"),
+    "cpu-lm-whole-run": Suite(
+        "cpu-lm-whole-run",
+        CPU_LM, LM_WHOLE_RUN, "cpu",
+        "cpu-lm's sign under the frozen-variance Adam: the recipe's 60 fp32 steps against "
+        "compressed from step 4 with 0/1 Adam's variance refreshes in int8 (cpu-whole-run's)"),
     "cpu-sgd": Suite(
         "cpu-sgd",
         CPU_SGD, SGD_STUDY, "cpu",
@@ -127,6 +143,12 @@ SUITES = {
         CPU_LM, TOPK_STUDY, "cpu",
         "cpu-lm's top-k forms under the recipe: all-gathered 1 %, and the two-phase exchange "
         "(bytes per rank flat in the number of workers) at 1 % and 2 %"),
+    "cpu-lm-local": Suite(
+        "cpu-lm-local",
+        CPU_LM, LOCAL_STUDY, "cpu",
+        "cpu-lm with local steps: every worker its own replica under AdamW, synced every H steps "
+        "through the outer loop (Nesterov SGD 0.7 / 0.9), the outer gradient in fp32, int8, sign "
+        "or top-k 2 % with error feedback"),
     "cpu-long": Suite(
         "cpu-long",
         CPU_LONG, LONG_STUDY, "cpu",

@@ -66,6 +66,10 @@ class RunConfig:
     uncompressed_numel: int = 0  # int8/sign: 1-D tensors and those under N elements sent in fp32
     max_grad_norm: float | None = None  # gradient clipping where the loop can clip: torch's
     # clip_grad_norm_ on the averaged gradient, or each worker's in the reduction for gradzip.optim's
+    local_steps: int = 0  # H > 0: every worker trains its own replica with torch's optimizer and
+    # the replicas sync every H steps, the outer gradient in ``codec`` (gradzip.local_steps)
+    outer_lr: float = 0.7  # local steps: the outer Nesterov SGD's (DiLoCo's defaults)
+    outer_momentum: float = 0.9
     seed: int = 0
     data: str = "procedural"  # or nyu:FILE / kitti:DEPTH,RAW / folder:DIR; a language model's:
     # a text of text.TEXTS (the image and scene settings do not apply to it)
@@ -93,6 +97,10 @@ class RunConfig:
         name += f"+u{self.uncompressed_numel}" if self.uncompressed_numel else ""
         name += f"+gclip{self.max_grad_norm:g}" if self.max_grad_norm is not None else ""
         name += f"@{self.cast_sum}" if self.cast_sum else ""  # the cost model's spelling
+        name += f"+H{self.local_steps}" if self.local_steps else ""
+        name += f"+olr{self.outer_lr:g}" if self.local_steps and self.outer_lr != 0.7 else ""
+        name += (f"+om{self.outer_momentum:g}" if self.local_steps and self.outer_momentum != 0.9
+                 else "")
         return name + (f"+params={self.param_codec}" if self.param_codec else "")
 
 
@@ -173,8 +181,8 @@ def optimizer_name(cfg: RunConfig) -> str:
             raise ValueError(f"unknown optimizer {cfg.optimizer!r}; known: recipe, "
                              f"{', '.join(OPTIMIZERS)}")
         name = cfg.optimizer
-    else:
-        direction = (canonical_codec(cfg.codec) != BASELINE
+    else:  # local steps: torch's optimizer trains each replica (the outer gradient is compressed)
+        direction = (canonical_codec(cfg.codec) != BASELINE and not cfg.local_steps
                      and recipe(cfg.codec, cfg.optimizer_family))
         name = FAMILIES[cfg.optimizer_family][int(bool(direction))]
     if (cfg.momentum_masking or cfg.local_clip_norm is not None) and name != "compressed-sgd":
@@ -282,6 +290,16 @@ class RunFiles:
         res = json.loads(self.result.read_text())
         return res if self._current(res) else None
 
+    def resume(self, restore) -> tuple[int, float]:
+        """The step and wall seconds to go on from: the checkpoint's, once ``restore(state)`` has
+        loaded it into the trainer, else 0; the logs are cut back to that step."""
+        start, wall = 0, 0.0
+        if (state := self.load_checkpoint()) is not None:
+            restore(state)
+            start, wall = state["step"], state["wall_s"]
+        self.truncate_logs(start)
+        return start, wall
+
     def truncate_logs(self, start: int) -> None:
         """Drop the log lines of what comes after step ``start`` (it is about to be redone)."""
         for path, keep in ((self.steps, lambda r: r["step"] < start),
@@ -308,6 +326,18 @@ class RunFiles:
 
     def write_result(self, res: dict) -> None:
         self.result.write_text(json.dumps(res, indent=1))
+
+
+def trainer_state(model, opt, sched) -> dict:
+    """What a checkpoint holds of one trained model: its weights, optimizer and schedule."""
+    return {"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()}
+
+
+def load_trainer(state: dict, model, opt, sched) -> None:
+    """Restores what ``trainer_state`` saved."""
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["opt"])
+    sched.load_state_dict(state["sched"])
 
 
 def flat_grads(params: list[torch.Tensor], grads) -> torch.Tensor:
@@ -341,14 +371,12 @@ def train_simulated(cfg: RunConfig, out: Path, data: tuple[dict, dict], device: 
                       optimizer=hook_optimizer(opt), warmup_codec=cfg.warmup_codec,
                       uncompressed_numel=cfg.uncompressed_numel,
                       max_grad_norm=reduction_clip(cfg, opt), cast_sum=cfg.cast_sum)
-    start, wall = 0, 0.0
-    if (state := files.load_checkpoint()) is not None:
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["opt"])
-        sched.load_state_dict(state["sched"])
+
+    def restore(state):
+        load_trainer(state, model, opt, sched)
         reducer.load_state_dict(state["reducer"])
-        start, wall = state["step"], state["wall_s"]
-    files.truncate_logs(start)
+
+    start, wall = files.resume(restore)
     n_train = task.train_size(cfg, train)
     b = cfg.batch_per_worker
     model.train()
@@ -385,8 +413,7 @@ def train_simulated(cfg: RunConfig, out: Path, data: tuple[dict, dict], device: 
             if (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
                 log.flush()
                 files.save_checkpoint({"step": step + 1, "wall_s": wall,
-                                       "model": model.state_dict(), "opt": opt.state_dict(),
-                                       "sched": sched.state_dict(),
+                                       **trainer_state(model, opt, sched),
                                        "reducer": reducer.state_dict()})
     res = finish(files, cfg, numel=sum(p.numel() for p in params), wall=wall)
     files.ckpt.unlink(missing_ok=True)

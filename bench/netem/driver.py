@@ -11,6 +11,12 @@ backward including DDP's communication, optimizer) and the bytes its interface s
 timed steps (the kernel's counter: real bytes on the wire, TCP/IP and Ethernet headers included).
 Scenes are rendered before the first step, as a data loader would have them ready.
 
+``--model lm-s`` (any of the harness's byte-level language models) trains it on windows of the
+harness's text (cpu-lm's data, the same batches as its workers') with cross-entropy instead.
+Hooks named ``local:CODEC:H`` train without DDP: each rank its own replica, synced every H steps
+by gradzip.local_steps.LocalSteps with CODEC carrying the outer gradient; their step time is the
+mean over the timed steps (a sync every H of them), not the median.
+
 Hooks named ``fsdp-*`` train the model under FSDP2 instead (``fully_shard`` on every encoder block
 and the root): ``fsdp-none`` is FSDP's own fp32 reduce-scatter, ``fsdp-torch-bf16`` FSDP with a
 bf16 reduce dtype (PyTorch's bar), ``fsdp-CODEC`` gradzip.fsdp's compressed reduce-scatter
@@ -59,6 +65,12 @@ def parse_delay_s(delay: str) -> float:
 
 
 def make_batches(args, rank: int, world: int, count: int):
+    """``count`` batches of this rank, each a function of the model that returns its loss."""
+    from gradzip.converge.char_lm import LM_CONFIGS
+
+    if args.model in LM_CONFIGS:
+        return lm_batches(args, rank, world, count)
+    from gradzip.converge.losses import silog_loss
     from gradzip.converge.scenes import SceneConfig, render_scene
 
     cfg = SceneConfig(height=args.size, width=args.size)
@@ -68,15 +80,45 @@ def make_batches(args, rank: int, world: int, count: int):
                   for i in range(args.batch)]
         rgb = torch.stack([torch.from_numpy(s["rgb"]).permute(2, 0, 1) for s in scenes])
         depth = torch.stack([torch.from_numpy(s["depth"])[None] for s in scenes])
-        batches.append((rgb, depth))
+        batches.append(lambda model, rgb=rgb, depth=depth: silog_loss(model(rgb), depth))
     return batches
 
 
+def lm_batches(args, rank: int, world: int, count: int):
+    """The language model's batches: the harness's text (cpu-lm's), the harness's windows."""
+    from gradzip.converge.tasks import task_of
+    from gradzip.converge.text import STDLIB_DOCSTRINGS
+    from gradzip.converge.training import RunConfig, batch_indices, load_data
+
+    cfg = RunConfig(model=args.model, data=STDLIB_DOCSTRINGS, workers=world,
+                    batch_per_worker=args.batch, seed=args.seed)
+    task = task_of(args.model)
+    train_data, _ = load_data(cfg)
+    n = task.train_size(cfg, train_data)
+    b = args.batch
+    return [lambda model, idx=batch_indices(args.seed, step, n, world * b)[rank * b:(rank + 1) * b]:
+            task.shard_loss(model, cfg, train_data, idx, torch.device("cpu"))
+            for step in range(count)]
+
+
 def build(args):
-    from gradzip.converge.models import build_model
+    from gradzip.converge.zoo import build as build_model
 
     torch.manual_seed(args.seed)
     return build_model(args.model)
+
+
+LOCAL_PREFIX = "local:"
+
+
+def local_steps_of(hook: str) -> tuple[str, int] | None:
+    """(codec, H) of a ``local:CODEC:H`` hook, else None."""
+    if not hook.startswith(LOCAL_PREFIX):
+        return None
+    codec, _, h = hook[len(LOCAL_PREFIX):].rpartition(":")
+    if not codec or not h.isdigit() or int(h) < 1:
+        raise ValueError(f"hook {hook!r}: expected local:CODEC:H with H >= 1 (e.g. local:int8:10)")
+    return codec, int(h)
 
 
 def register_hook(ddp, hook: str, guard_nonfinite: bool = False):
@@ -142,17 +184,18 @@ def tx_bytes(ifname: str | None) -> int:
     return int(Path(f"/sys/class/net/{ifname}/statistics/tx_bytes").read_text())
 
 
-def train(model, opt, batches) -> tuple[list[float], list[float]]:
-    """One optimizer step per batch; returns each step's wall time and loss."""
-    from gradzip.converge.losses import silog_loss
-
+def train(model, opt, batches, outer=None) -> tuple[list[float], list[float]]:
+    """One optimizer step per batch (and the local-steps outer loop's step, where given);
+    returns each step's wall time and loss."""
     times, losses = [], []
-    for rgb, depth in batches:
+    for loss_of in batches:
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        loss = silog_loss(model(rgb), depth)
+        loss = loss_of(model)
         loss.backward()
         opt.step()
+        if outer is not None:
+            outer.step()
         times.append(time.perf_counter() - t0)
         losses.append(float(loss.detach()))
     return times, losses
@@ -204,17 +247,24 @@ def cmd_rank(args) -> int:
     dist.init_process_group("gloo", init_method=f"tcp://{args.addr}:{args.port}", rank=args.rank,
                             world_size=2, timeout=timedelta(seconds=args.timeout))
     batches = make_batches(args, args.rank, 2, args.warmup + args.steps)
+    outer = None
     if args.hook.startswith(FSDP_PREFIX):
         ddp = build_fsdp(args, args.hook, args.guard_nonfinite)
+    elif (local := local_steps_of(args.hook)) is not None:
+        from gradzip.local_steps import LocalSteps
+
+        ddp = build(args)  # each rank's own replica
+        outer = LocalSteps(ddp.parameters(), local[0], sync_every=local[1],
+                           guard_nonfinite=args.guard_nonfinite)
     else:
         ddp = DDP(build(args))  # DDP's defaults: 25 MB buckets, every parameter used
         register_hook(ddp, args.hook, args.guard_nonfinite)
     opt = optimizer(ddp)
-    _, warm_losses = train(ddp, opt, batches[: args.warmup])
+    _, warm_losses = train(ddp, opt, batches[: args.warmup], outer)
     # The timed window: the bytes sent from the end of the warm-up to the end of the last step.
     dist.barrier()
     tx0 = tx_bytes(args.ifname)
-    times, losses = train(ddp, opt, batches[args.warmup:])
+    times, losses = train(ddp, opt, batches[args.warmup:], outer)
     tx1 = tx_bytes(args.ifname)
     dist.barrier()
     dist.destroy_process_group()
@@ -280,7 +330,8 @@ def cmd_report(args) -> int:
         if not all(ranks):
             rows.append(dict(hook=h, ok=False))
             continue
-        med = statistics.median(ranks[0]["step_times"])
+        # a local-steps hook syncs once every H steps: its step time is the mean
+        med = (statistics.mean if local_steps_of(h) else statistics.median)(ranks[0]["step_times"])
         tx = statistics.mean(r["tx_bytes_per_step"] for r in ranks)
         rows.append(dict(hook=h, ok=True, median=med, bytes=tx, shapes=ranks[0]["shapes"],
                          loss=ranks[0]["loss_last"], threads=ranks[0]["threads"]))
@@ -296,13 +347,19 @@ def cmd_report(args) -> int:
                    efficiency=args.efficiency)
     okrows = [r for r in rows if r["ok"]]
     modelled = [h for h in hooks if h != "nocomm" and not h.startswith(FSDP_PREFIX)]
-    speeds, speed_note = measured_speeds(modelled, okrows[0]["threads"] if okrows else 1)
+    speeds, speed_note = measured_speeds([local_steps_of(h)[0] if local_steps_of(h) else h
+                                          for h in modelled], okrows[0]["threads"] if okrows else 1)
+    speeds = {h: speeds.get(local_steps_of(h)[0] if local_steps_of(h) else h) for h in modelled}
     for r in okrows:
         fsdp = r["hook"].startswith(FSDP_PREFIX)
         if fsdp:
             pred = cm.Cost(seconds=math.nan, sent_bytes=math.nan)
         elif r["hook"] == "nocomm":
             pred = cm.Cost()
+        elif (local := local_steps_of(r["hook"])) is not None:  # one all-reduce every H steps
+            buckets = cm.ddp_buckets([tuple(s) for s in r["shapes"]])
+            sync = cm.step_cost(local[0], buckets, 2, link, speeds.get(r["hook"]))
+            pred = cm.Cost(seconds=sync.seconds / local[1], sent_bytes=sync.sent_bytes / local[1])
         else:
             pred = cm.step_cost(r["hook"], cm.ddp_buckets([tuple(s) for s in r["shapes"]]), 2,
                                 link, speeds.get(r["hook"]))
@@ -404,7 +461,14 @@ def check_hooks(hooks: str) -> int:
     for h in names:
         if h == "nocomm":
             continue
-        if h.startswith(FSDP_PREFIX):
+        try:
+            local = local_steps_of(h)
+        except ValueError as e:
+            print(f"netem: {e}", file=sys.stderr)
+            return 2
+        if local is not None:
+            h = local[0]
+        elif h.startswith(FSDP_PREFIX):
             codec, param_codec = fsdp_codecs(h)
             if codec in ("none", "torch-bf16"):
                 if param_codec is None:

@@ -2,7 +2,9 @@
 # Real scarce-bandwidth benchmark: 2-rank DDP training over a shaped link between two network
 # namespaces, once per communication hook (hooks named fsdp-none, fsdp-torch-bf16, fsdp-CODEC:
 # FSDP2 training with FSDP's own or gradzip's compressed reduce-scatter; fsdp-CODEC+params=PCODEC:
-# and gradzip's compressed parameter all-gather; see driver.py).
+# and gradzip's compressed parameter all-gather; local:CODEC:H: no DDP, every rank its own replica
+# synced every H steps by gradzip.local_steps; --model lm-s: the harness's language model; see
+# driver.py).
 #
 #   bench/netem/run.sh --rate 1gbit --out DIR [--delay 1ms] [--model vit-s14] [--size 56]
 #                      [--batch 1] [--steps 8] [--warmup 3] [--threads 1] [--hooks LIST]
@@ -22,7 +24,7 @@ set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 
 die() { echo "netem: $*" >&2; exit 2; }
-usage() { { echo "usage:"; sed -n "5,8p" "${BASH_SOURCE[0]}" | sed "s/^# \{0,1\}/  /"; } >&2; exit 2; }
+usage() { { echo "usage:"; sed -n "9,12p" "${BASH_SOURCE[0]}" | sed "s/^# \{0,1\}/  /"; } >&2; exit 2; }
 
 rate="" out="" delay="" model=vit-s14 size=56 batch=1 steps=8 warmup=3 threads=1 guard=()
 hooks="none,torch-fp16,torch-bf16,powersgd:2,bf16,int8,sign,topk:0.01,nocomm"
@@ -60,6 +62,10 @@ done
 if [[ ",$hooks," =~ ,(bf16|fp16|fp32|int8|sign|topk)[:,] ]]; then
   "$python" -c "import gradzip.ddp" 2>/dev/null ||
     die "$python cannot import gradzip.ddp, needed by the gradzip hooks in --hooks $hooks"
+fi
+if [[ ",$hooks," == *,local:* ]]; then
+  "$python" -c "import gradzip.local_steps" 2>/dev/null ||
+    die "$python cannot import gradzip.local_steps, needed by the local:* hooks in --hooks $hooks"
 fi
 if [[ ",$hooks," == *,fsdp-* ]]; then
   "$python" -c "import gradzip.fsdp" 2>/dev/null ||

@@ -78,6 +78,23 @@ def test_tiny_run_writes_results_and_cleans_up(tmp_path):
 
 
 @needs_netns
+def test_language_model_and_local_steps(tmp_path):
+    """--model lm-t (the harness's text and batches) and a local:CODEC:H hook: no DDP, a sync of
+    the int8 outer gradient every 2 steps, so about an eighth of the all-reduce's bytes."""
+    out = tmp_path / "netem"
+    hooks = ["none", "local:int8:2"]
+    r = subprocess.run(["bash", str(RUN), "--rate", "10gbit", "--out", str(out), "--model", "lm-t",
+                        "--steps", "4", "--warmup", "2", "--hooks", ",".join(hooks),
+                        "--time-limit", "240"], env=_env(), capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    with open(out / "results.csv", newline="") as f:
+        sent = {row["hook"]: float(row["bytes_per_step"]) for row in csv.DictReader(f)}
+    assert 0.08 * sent["none"] < sent["local:int8:2"] < 0.2 * sent["none"]
+    assert "local:int8:2" in (out / "results.md").read_text()
+
+
+@needs_netns
 def test_interrupt_removes_namespaces(tmp_path):
     # SIGINT at its default in the child: a test run from a background job inherits it ignored,
     # and bash cannot trap a signal ignored at entry
@@ -102,6 +119,8 @@ def test_interrupt_removes_namespaces(tmp_path):
     (["--rate", "1gbit", "--out", "x", "--steps", "-1"], "--steps"),
     (["--rate", "1gbit", "--out", "x", "--bogus"], "unknown argument"),
     (["--rate", "1gbit", "--out", "x", "--hooks", "none,zstd"], "hook 'zstd'"),
+    (["--rate", "1gbit", "--out", "x", "--hooks", "local:int8:0"], "local:CODEC:H"),
+    (["--rate", "1gbit", "--out", "x", "--hooks", "local:int9:5"], "int9"),
 ])
 def test_bad_arguments_exit_2(args, message):
     r = subprocess.run(["bash", str(RUN), *args], env=_env(), capture_output=True, text=True,

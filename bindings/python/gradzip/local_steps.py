@@ -197,7 +197,7 @@ class LocalSteps(_OuterLoop):
         sync_every: H, the inner steps between syncs.
         outer_lr, outer_momentum, nesterov: the outer SGD (DiLoCo's defaults: 0.7, 0.9, True).
         error_feedback: keep each rank's residual of the outer gradient across syncs.
-        cast_sum, min_compress_numel: as CompressionState's.
+        cast_sum, min_compress_numel, guard_nonfinite: as CompressionState's.
         bucket_cap_mb: the outer gradient is reduced in buckets of about this size.
 
     The constructor broadcasts the parameters from the group's first rank (as DDP does), so every
@@ -210,7 +210,8 @@ class LocalSteps(_OuterLoop):
     def __init__(self, params: Iterable[torch.Tensor], codec: str = "int8", sync_every: int = 50,
                  outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True,
                  process_group=None, error_feedback: bool = True, cast_sum: Optional[str] = None,
-                 min_compress_numel: int = MIN_COMPRESS_NUMEL, bucket_cap_mb: float = 25.0):
+                 min_compress_numel: int = MIN_COMPRESS_NUMEL, bucket_cap_mb: float = 25.0,
+                 guard_nonfinite: bool = True):
         from .ddp import CompressionState  # the hook's state: its reduction, residuals and stats
 
         self.params = [p for p in params if p.requires_grad]
@@ -223,7 +224,7 @@ class LocalSteps(_OuterLoop):
                          bucket_cap_mb)
         self.reduction = CompressionState(codec, process_group, error_feedback,
                                           min_compress_numel=min_compress_numel,
-                                          cast_sum=cast_sum)
+                                          cast_sum=cast_sum, guard_nonfinite=guard_nonfinite)
 
     def _reduce(self, bucket: int, last: bool) -> torch.Tensor:
         from .ddp import compress_hook

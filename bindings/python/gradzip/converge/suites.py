@@ -94,8 +94,12 @@ TOPK_STUDY = (("fp32", False), ("topk:0.01:values=fp16", True),
 
 # Local steps (gradzip.local_steps, DiLoCo's outer loop) on cpu-lm: each worker trains its own
 # replica with AdamW, the replicas sync every H steps, the outer gradient in fp32 (the cost of the
-# local steps alone) or compressed with error feedback, beside the per-step fp32 baseline.
-LOCAL_STUDY = (("fp32", False), ("fp32", False, {"local_steps": 10}),
+# local steps alone) or compressed with error feedback, beside the per-step fp32 baseline and the
+# arithmetic of PyTorch's bf16 and PowerSGD hooks (a bf16 cast without error feedback; rank 4 with
+# it), evaluated every 25 steps for the time to a validation loss.
+CPU_LM_LOCAL = replace(CPU_LM, eval_every=25)
+LOCAL_STUDY = (("fp32", False), ("bf16", False), ("lowrank:4", True),
+               ("fp32", False, {"local_steps": 10}),
                ("int8", True, {"local_steps": 10}), ("int8", True, {"local_steps": 50}),
                ("sign", True, {"local_steps": 10}), ("topk:0.02:values=fp16", True,
                                                      {"local_steps": 10}))
@@ -145,7 +149,7 @@ SUITES = {
         "(bytes per rank flat in the number of workers) at 1 % and 2 %"),
     "cpu-lm-local": Suite(
         "cpu-lm-local",
-        CPU_LM, LOCAL_STUDY, "cpu",
+        CPU_LM_LOCAL, LOCAL_STUDY, "cpu",
         "cpu-lm with local steps: every worker its own replica under AdamW, synced every H steps "
         "through the outer loop (Nesterov SGD 0.7 / 0.9), the outer gradient in fp32, int8, sign "
         "or top-k 2 % with error feedback"),

@@ -128,9 +128,10 @@ BucketLayout::BucketLayout(const Codec& codec, int64_t world_, const std::vector
     n += m;
     ends.push_back(n);
   }
-  const auto [summable, all_gathered, block_scaled] = visit(codec.kind(), [](auto c) {
-    return std::tuple{c.summable, c.all_gathered, c.block_scaled};
+  const auto [summable, all_gathered, block_scaled, sparse] = visit(codec.kind(), [](auto c) {
+    return std::tuple{c.summable, c.all_gathered, c.block_scaled, c.sparse};
   });
+  selects = sparse;
   wire_sum = collective == Collective::allreduce && cast_sum == CastSum::wire && summable;
   two_phase = !wire_sum && (collective == Collective::reduce_scatter || !all_gathered ||
                             cast_sum == CastSum::fp32);
@@ -192,7 +193,6 @@ std::vector<BucketLayout> BucketLayout::chunks(const Codec& codec, int64_t eleme
   const int64_t wanted = n / elements + (n % elements != 0);
   // Top-k selects over a whole message (the bucket, or a two-phase shard): a cut would change what
   // it keeps.
-  const bool selects = visit(codec.kind(), [](auto c) { return c.sparse; });
   if (wanted <= 1 || collective == Collective::reduce_scatter || (!two_phase && !wire_sum) ||
       selects)
     return {*this};
@@ -397,8 +397,7 @@ void BucketReduction::compute(Step step, const Operands& operands) {
       // Top-k's owner keeps only the top-k of the summed shard: with error feedback the rest must
       // go to its owner residual, or it would be lost while every rank counts it as sent.
       TORCH_CHECK_VALUE(!(operands.residual.defined() && layout_.two_phase &&
-                          layout_.collective == Collective::allreduce &&
-                          visit(codec_.kind(), [](auto c) { return c.sparse; })) ||
+                          layout_.collective == Collective::allreduce && layout_.selects) ||
                             operands.owner_residual.defined(),
                         "gradzip: top-k's two-phase exchange with error feedback needs an owner "
                         "residual (this rank's shard of the bucket): the owner keeps the top-k of "

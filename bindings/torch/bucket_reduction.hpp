@@ -133,6 +133,8 @@ struct BucketLayout {
   bool wire_sum = false;                     // one all-reduce of the payload (the casts)
   bool two_phase = true;                     // shards exchanged by all-to-all (else wire_sum or
                                              // top-k's all-gather, with CastSum::wire)
+  bool selects = false;                      // the codec keeps some elements only (top-k): it
+                                             // selects over a whole message
   std::vector<int64_t> starts;               // W + 1 shard offsets (two-phase)
   std::vector<std::vector<Piece>> pieces;    // per shard, its messages, consecutive from offsets[j]
   // Where this layout's elements begin (all zero but in a chunk): per shard, from the shard's start

@@ -5,13 +5,14 @@ measured for the same model at each link rate.
     python bench/netem/time_to_loss.py --runs bench/converge/cpu-lm-local \\
         --netem 100mbit=DIR1 1gbit=DIR2 10gbit=DIR3 --out DIR [--tolerance 0.03]
 
-The target is the fp32 run's final validation loss (mean over its seeds) times 1 + tolerance. A
-run reaches it at the first evaluation whose loss (mean over the run's seeds) is at or below it;
+The target is the fp32 run's final validation loss (mean over its seeds) times 1 + tolerance; runs
+trained on other seeds than fp32's are left out (a mean over other seeds is not comparable). A run
+reaches it at the first evaluation whose loss (mean over the run's seeds) is at or below it;
 its time is that step count times its hook's step time at the rate (``results.csv``: the median
 step, a local-steps hook's mean step, which carries one sync every H steps). Harness runs map to
 netem hooks by name: fp32 -> none, bf16 without error feedback -> torch-bf16 (PyTorch's hook does
 that arithmetic), lowrank:R -> powersgd:R (PyTorch's PowerSGD; gradzip's lowrank has its
-arithmetic), CODEC+HN -> local:CODEC:N, any other codec -> the gradzip hook of that spec. Writes
+arithmetic), CODEC+HN... -> local:CODEC:N, any other codec -> the gradzip hook of that spec. Writes
 ``time_to_loss.csv`` and ``time_to_loss.md`` (and ``time_to_loss.png`` with matplotlib); a run or
 hook missing on either side is listed as such, not guessed.
 """
@@ -21,6 +22,7 @@ import argparse
 import csv
 import json
 import math
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -28,9 +30,9 @@ from pathlib import Path
 
 def hook_of(run: str) -> str:
     """The netem hook whose step time belongs to the harness run named ``run``."""
-    base, _, local = run.partition("+H")
+    base, _, local = run.partition("+H")  # CODEC+HN+ilr...: the outer settings do not change it
     if local:
-        return f"local:{base}:{int(local)}"
+        return f"local:{base}:{re.match(r'[0-9]+', local).group()}"
     if run == "fp32":
         return "none"
     if run == "bf16-noef":
@@ -40,16 +42,20 @@ def hook_of(run: str) -> str:
     return run.replace("-noef", "")
 
 
-def curves(folder: Path) -> dict[str, list[tuple[int, float]]]:
-    """Per run: (step, validation loss averaged over the seeds evaluated at that step)."""
-    by_run: dict[str, dict[int, list[float]]] = {}
+def curves(folder: Path) -> dict[str, tuple[frozenset, list[tuple[int, float]]]]:
+    """Per run: its seeds, and (step, validation loss averaged over them) at the steps every
+    seed was evaluated."""
+    by_run: dict[str, dict[int, dict[int, float]]] = {}
     for log in sorted((folder / "runs").glob("*.evals.jsonl")):
         for line in log.read_text().splitlines():
             e = json.loads(line)
-            by_run.setdefault(e["run"], {}).setdefault(e["step"], []).append(e["val_loss"])
-    seeds = {run: max(len(v) for v in steps.values()) for run, steps in by_run.items()}
-    return {run: [(s, statistics.mean(v)) for s, v in sorted(steps.items())
-                  if len(v) == seeds[run]] for run, steps in by_run.items()}
+            by_run.setdefault(e["run"], {}).setdefault(e["step"], {})[e["seed"]] = e["val_loss"]
+    out = {}
+    for run, steps in by_run.items():
+        seeds = frozenset().union(*steps.values())
+        out[run] = (seeds, [(s, statistics.mean(v.values())) for s, v in sorted(steps.items())
+                            if set(v) == seeds])
+    return out
 
 
 def step_times(folder: Path) -> dict[str, float]:
@@ -85,7 +91,10 @@ def main(argv=None) -> int:
             print(f"time_to_loss: --netem {item!r}: expected RATE=DIR", file=sys.stderr)
             return 2
         rates.append((rate, step_times(Path(folder))))
-    target = runs["fp32"][-1][1] * (1.0 + args.tolerance)
+    seeds, fp32 = runs["fp32"]
+    skipped = sorted(run for run, (s, _) in runs.items() if s != seeds)
+    runs = {run: curve for run, (s, curve) in runs.items() if s == seeds}
+    target = fp32[-1][1] * (1.0 + args.tolerance)
     rows = []
     for run, curve in runs.items():
         reach = first_reach(curve, target)
@@ -104,8 +113,11 @@ def main(argv=None) -> int:
         for r in rows:
             w.writerow([r["run"], r["hook"], f"{r['final_val_loss']:.4f}", r["steps"] or "",
                         *[f"{r[n]:.2f}" for n in names]])
-    md = [f"Target: validation loss {target:.4f} (fp32's final {runs['fp32'][-1][1]:.4f} "
-          f"+ {100 * args.tolerance:g} %); time = steps to reach it x the hook's step time.", "",
+    md = [f"Target: validation loss {target:.4f} (fp32's final {fp32[-1][1]:.4f} "
+          f"+ {100 * args.tolerance:g} %, mean over seeds {sorted(seeds)}); time = steps to reach "
+          "it x the hook's step time."
+          + (f" Left out (not run on the same seeds): {', '.join(skipped)}." if skipped else ""),
+          "",
           "| run | hook | final val loss | steps to target | "
           + " | ".join(f"s at {n} (vs fp32)" for n in names) + " |",
           "|---|---|---:|---:|" + "---:|" * len(names)]

@@ -28,7 +28,7 @@ def data():
 def test_local_run_sends_on_sync_steps_only_and_resumes_exactly(tmp_path, data):
     torch.set_num_threads(1)
     assert optimizer_name(TINY) == "adamw"  # torch's optimizer trains each replica
-    assert TINY.name == "int8+H2"
+    assert TINY.name == "int8+H2+ilr0.001"
     whole = train_local(TINY, tmp_path / "a", data, torch.device("cpu"))
     steps = read_jsonl(RunFiles(tmp_path / "a", TINY).steps)
     # the fp32 baseline's bytes of a step, measured by the per-step reducer
@@ -55,10 +55,11 @@ def test_local_run_sends_on_sync_steps_only_and_resumes_exactly(tmp_path, data):
 
 
 def test_local_runs_are_named_apart_and_refused_where_they_cannot_run(tmp_path):
-    assert replace(TINY, outer_lr=1.0, outer_momentum=0.0).name == "int8+H2+olr1+om0"
+    assert replace(TINY, outer_lr=1.0, outer_momentum=0.0, lr=4e-3).name == \
+        "int8+H2+ilr0.004+olr1+om0"
     assert replace(TINY, local_steps=0).name == "int8"
     suite = get_suite("cpu-lm-local")
     assert {c.local_steps for c in suite.configs()} == {0, 10, 50}
     with pytest.raises(SystemExit, match="simulated workers only"):
-        main(["--suite", "cpu-lm-local", "--out", str(tmp_path), "--codecs", "int8+H10",
+        main(["--suite", "cpu-lm-local", "--out", str(tmp_path), "--codecs", "int8+H10+ilr0.002",
               "--strategy", "ddp"])

@@ -18,6 +18,7 @@ def test_hooks_of_the_harness_runs():
     assert ttl.hook_of("bf16-noef") == "torch-bf16"
     assert ttl.hook_of("lowrank:4") == "powersgd:4"
     assert ttl.hook_of("int8+H10") == "local:int8:10"
+    assert ttl.hook_of("int8+H50+ilr0.004+olr1+om0") == "local:int8:50"
     assert ttl.hook_of("topk:0.02:values=fp16+H50") == "local:topk:0.02:values=fp16:50"
     assert ttl.hook_of("sign") == "sign"
 

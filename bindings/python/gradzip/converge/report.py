@@ -311,7 +311,11 @@ def plot(out: Path, agg: list[dict], task: Task) -> list[Path]:
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, seeds in _by_run(read_jsonl(out / "evals.jsonl")).items():
-        _band(ax1, [e["step"] for e in seeds[0]], [[e[key] for e in s] for s in seeds], name)
+        # the evaluations every seed has (seeds trained by separate commands may be evaluated
+        # at different intervals)
+        steps = sorted(set.intersection(*({e["step"] for e in s} for s in seeds)))
+        at = [{e["step"]: e[key] for e in s} for s in seeds]
+        _band(ax1, steps, [[a[step] for step in steps] for a in at], name)
     ref = next((a for a in agg if a["run"] == baseline_run(agg)), None)
     if ref is not None:
         ax1.axhline(TARGET * ref[f"{key}_mean"], color="k", linewidth=1, linestyle=":",

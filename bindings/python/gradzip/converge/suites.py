@@ -93,16 +93,33 @@ TOPK_STUDY = (("fp32", False), ("topk:0.01:values=fp16", True),
               ("topk:0.01:values=fp16", True, TWO_PHASE), ("topk:0.02:values=fp16", True, TWO_PHASE))
 
 # Local steps (gradzip.local_steps, DiLoCo's outer loop) on cpu-lm: each worker trains its own
-# replica with AdamW, the replicas sync every H steps, the outer gradient in fp32 (the cost of the
-# local steps alone) or compressed with error feedback, beside the per-step fp32 baseline and the
-# arithmetic of PyTorch's bf16 and PowerSGD hooks (a bf16 cast without error feedback; rank 4 with
-# it), evaluated every 25 steps for the time to a validation loss.
+# replica with AdamW and the replicas sync every H steps, the outer gradient compressed with error
+# feedback; beside the per-step fp32 baseline and the arithmetic of PyTorch's bf16 and PowerSGD
+# hooks (a bf16 cast without error feedback; rank 4 with it), evaluated every 25 steps for the
+# time to a validation loss. Averaging (outer lr 1, no outer momentum) at twice the per-step
+# runs' learning rate trained best of the outer settings and learning rates tried on seed 0
+# (bench/RESULTS.md); DiLoCo's own (outer Nesterov SGD 0.7 / 0.9) is the first local row.
 CPU_LM_LOCAL = replace(CPU_LM, eval_every=25)
+AVERAGING = {"outer_lr": 1.0, "outer_momentum": 0.0, "lr": 4e-3}
 LOCAL_STUDY = (("fp32", False), ("bf16", False), ("lowrank:4", True),
-               ("fp32", False, {"local_steps": 10}),
-               ("int8", True, {"local_steps": 10}), ("int8", True, {"local_steps": 50}),
-               ("sign", True, {"local_steps": 10}), ("topk:0.02:values=fp16", True,
-                                                     {"local_steps": 10}))
+               ("int8", True, {"local_steps": 10}),
+               ("int8", True, {"local_steps": 10, **AVERAGING}),
+               ("int8", True, {"local_steps": 50, **AVERAGING}),
+               ("sign", True, {"local_steps": 10, **AVERAGING}),
+               ("topk:0.02:values=fp16", True, {"local_steps": 10, **AVERAGING}))
+# The outer settings and learning rates tried on seed 0 before cpu-lm-local's were chosen: H 1 to
+# 50, DiLoCo's Nesterov outer SGD and plain averaging, outer momentum and learning rate, the inner
+# learning rate (bench/RESULTS.md §3; one seed each).
+OUTER_SWEEP = tuple(
+    (codec, codec != "fp32", {"local_steps": h, "outer_lr": olr, "outer_momentum": om, "lr": lr})
+    for codec, h, olr, om, lr in (
+        ("fp32", 10, 0.7, 0.9, 2e-3), ("int8", 10, 0.7, 0.9, 2e-3), ("int8", 50, 0.7, 0.9, 2e-3),
+        ("sign", 10, 0.7, 0.9, 2e-3), ("topk:0.02:values=fp16", 10, 0.7, 0.9, 2e-3),
+        ("fp32", 1, 1.0, 0.0, 2e-3), ("fp32", 2, 1.0, 0.0, 2e-3), ("fp32", 10, 1.0, 0.0, 2e-3),
+        ("fp32", 50, 1.0, 0.0, 2e-3), ("int8", 10, 1.0, 0.0, 2e-3), ("int8", 50, 1.0, 0.0, 2e-3),
+        ("fp32", 10, 1.0, 0.5, 2e-3), ("fp32", 10, 0.7, 0.5, 2e-3), ("int8", 10, 2.0, 0.0, 2e-3),
+        ("int8", 10, 1.0, 0.9, 2e-3), ("int8", 10, 0.7, 0.7, 2e-3), ("int8", 10, 1.0, 0.0, 4e-3),
+        ("int8", 10, 0.7, 0.5, 4e-3), ("int8", 10, 1.0, 0.0, 8e-3), ("int8", 50, 1.0, 0.0, 8e-3)))
 
 SUITES = {
     "cpu-default": Suite(
@@ -151,8 +168,13 @@ SUITES = {
         "cpu-lm-local",
         CPU_LM_LOCAL, LOCAL_STUDY, "cpu",
         "cpu-lm with local steps: every worker its own replica under AdamW, synced every H steps "
-        "through the outer loop (Nesterov SGD 0.7 / 0.9), the outer gradient in fp32, int8, sign "
-        "or top-k 2 % with error feedback"),
+        "(DiLoCo's outer Nesterov SGD, or averaging), the outer gradient in int8, sign or top-k "
+        "2 % with error feedback; PyTorch's bf16 and PowerSGD arithmetic per step beside fp32"),
+    "cpu-lm-local-sweep": Suite(
+        "cpu-lm-local-sweep",
+        CPU_LM_LOCAL, (("fp32", False),) + OUTER_SWEEP, "cpu",
+        "cpu-lm-local's outer settings and inner learning rates, one seed each: how its runs' "
+        "settings were chosen"),
     "cpu-long": Suite(
         "cpu-long",
         CPU_LONG, LONG_STUDY, "cpu",

@@ -97,7 +97,8 @@ class RunConfig:
         name += f"+u{self.uncompressed_numel}" if self.uncompressed_numel else ""
         name += f"+gclip{self.max_grad_norm:g}" if self.max_grad_norm is not None else ""
         name += f"@{self.cast_sum}" if self.cast_sum else ""  # the cost model's spelling
-        name += f"+H{self.local_steps}" if self.local_steps else ""
+        # local steps: the inner learning rate too (replicas on 1/W of the batch want another)
+        name += f"+H{self.local_steps}+ilr{self.lr:g}" if self.local_steps else ""
         name += f"+olr{self.outer_lr:g}" if self.local_steps and self.outer_lr != 0.7 else ""
         name += (f"+om{self.outer_momentum:g}" if self.local_steps and self.outer_momentum != 0.9
                  else "")

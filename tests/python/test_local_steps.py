@@ -186,3 +186,56 @@ def _ranks_match_the_simulation(rank, world, codec, result):
 @pytest.mark.parametrize("world", [2, 3])
 def test_ranks_end_each_sync_identical_and_equal_to_the_simulation(world):
     run_ranks(_ranks_match_the_simulation, world, "int8", None)
+
+
+
+def _run(rank, world, path, total, save_at, saved_world):
+    """``total`` steps of rank ``rank``'s replica (moves from one generator, the same on every
+    rank); saves its parameters and outer state after ``save_at`` steps, or (``saved_world``)
+    starts from that checkpoint, saved by ``saved_world`` ranks, instead of training them."""
+    import warnings
+
+    import torch.distributed as dist
+
+    replicas = make_replicas(world, seed=8)
+    outer = LocalSteps(replicas[rank], "int8", sync_every=2, min_compress_numel=0)
+    g = torch.Generator().manual_seed(9)
+    start = 0
+    if saved_world:
+        saved = torch.load(f"{path}.rank{min(rank, saved_world - 1)}", weights_only=False)
+        for _ in range(save_at):
+            local_moves(replicas, g)  # the generator where the saved run was
+        with torch.no_grad():
+            for p, q in zip(replicas[rank], saved["params"]):
+                p.copy_(q)
+        outer.load_state_dict(saved["outer"])
+        start = save_at
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(start, total):
+            local_moves(replicas, g)
+            outer.step()
+            if step + 1 == save_at and not saved_world:
+                torch.save({"params": [p.detach().clone() for p in replicas[rank]],
+                            "outer": outer.state_dict()}, f"{path}.rank{rank}")
+    dropped = any("world size" in str(w.message) for w in caught)
+    assert dropped == bool(saved_world and saved_world != world)
+    flat = torch.cat([p.detach().reshape(-1) for p in replicas[rank]])
+    rows = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(rows, flat)
+    assert all(torch.equal(r, rows[0]) for r in rows), "the ranks differ after the last sync"
+    torch.save(flat, f"{path}.final{world}-{saved_world}.rank{rank}")
+
+
+def test_ranks_resume_exactly_and_restart_at_another_world_size(tmp_path):
+    """2 Gloo ranks, 8 steps (a sync every 2), saved after 5 (mid-interval: the replicas differ);
+    resumed from there, the ranks end bit for bit where the uninterrupted run ended; restarted
+    on 3 ranks, the residuals are dropped with a warning (the anchor and outer momentum, the same
+    on every rank, are kept) and the ranks end every sync identical."""
+    path = str(tmp_path / "ckpt")
+    run_ranks(_run, 2, path, 8, 5, 0)
+    run_ranks(_run, 2, path, 8, 5, 2)
+    for r in range(2):
+        assert torch.equal(torch.load(f"{path}.final2-0.rank{r}"),
+                           torch.load(f"{path}.final2-2.rank{r}"))
+    run_ranks(_run, 3, path, 8, 5, 2)

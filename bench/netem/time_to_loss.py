@@ -6,8 +6,8 @@ measured for the same model at each link rate.
         --netem 100mbit=DIR1 1gbit=DIR2 10gbit=DIR3 --out DIR [--tolerance 0.03]
 
 The target is the fp32 run's final validation loss (mean over its seeds) times 1 + tolerance; runs
-trained on other seeds than fp32's are left out (a mean over other seeds is not comparable). A run
-reaches it at the first evaluation whose loss (mean over the run's seeds) is at or below it;
+trained on other seeds than fp32's are left out (a mean over other seeds is not comparable), and
+every run is read at fp32's evaluation steps only. A run reaches it at the first evaluation whose loss (mean over the run's seeds) is at or below it;
 its time is that step count times its hook's step time at the rate (``results.csv``: the median
 step, a local-steps hook's mean step, which carries one sync every H steps). Harness runs map to
 netem hooks by name: fp32 -> none, bf16 without error feedback -> torch-bf16 (PyTorch's hook does
@@ -93,7 +93,10 @@ def main(argv=None) -> int:
         rates.append((rate, step_times(Path(folder))))
     seeds, fp32 = runs["fp32"]
     skipped = sorted(run for run, (s, _) in runs.items() if s != seeds)
-    runs = {run: curve for run, (s, curve) in runs.items() if s == seeds}
+    # every run read at fp32's evaluation steps only: a finer grid would reach the target sooner
+    grid = {step for step, _ in fp32}
+    runs = {run: [(step, v) for step, v in curve if step in grid]
+            for run, (s, curve) in runs.items() if s == seeds}
     target = fp32[-1][1] * (1.0 + args.tolerance)
     rows = []
     for run, curve in runs.items():

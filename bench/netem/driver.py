@@ -347,9 +347,11 @@ def cmd_report(args) -> int:
                    efficiency=args.efficiency)
     okrows = [r for r in rows if r["ok"]]
     modelled = [h for h in hooks if h != "nocomm" and not h.startswith(FSDP_PREFIX)]
-    speeds, speed_note = measured_speeds([local_steps_of(h)[0] if local_steps_of(h) else h
-                                          for h in modelled], okrows[0]["threads"] if okrows else 1)
-    speeds = {h: speeds.get(local_steps_of(h)[0] if local_steps_of(h) else h) for h in modelled}
+    # a local:CODEC:H hook runs its codec's reduction: each codec measured once
+    codec_of = {h: (local_steps_of(h) or (h,))[0] for h in modelled}
+    by_codec, speed_note = measured_speeds(sorted(set(codec_of.values())),
+                                           okrows[0]["threads"] if okrows else 1)
+    speeds = {h: by_codec.get(codec) for h, codec in codec_of.items()}
     for r in okrows:
         fsdp = r["hook"].startswith(FSDP_PREFIX)
         if fsdp:

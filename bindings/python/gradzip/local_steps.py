@@ -38,6 +38,7 @@ from .wire import MIN_COMPRESS_NUMEL
 __all__ = ["LocalSteps", "SimulatedLocalSteps"]
 
 STATE_VERSION = 1
+OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9  # DiLoCo's outer Nesterov SGD, the defaults
 
 
 def bucket_ranges(numels: Sequence[int], cap_bytes: int) -> List[tuple]:
@@ -208,7 +209,7 @@ class LocalSteps(_OuterLoop):
     drops the residuals, as CompressionState does."""
 
     def __init__(self, params: Iterable[torch.Tensor], codec: str = "int8", sync_every: int = 50,
-                 outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True,
+                 outer_lr: float = OUTER_LR, outer_momentum: float = OUTER_MOMENTUM, nesterov: bool = True,
                  process_group=None, error_feedback: bool = True, cast_sum: Optional[str] = None,
                  min_compress_numel: int = MIN_COMPRESS_NUMEL, bucket_cap_mb: float = 25.0,
                  guard_nonfinite: bool = True):
@@ -245,7 +246,7 @@ class SimulatedLocalSteps(_OuterLoop):
     sync). The replicas must start equal."""
 
     def __init__(self, replicas: Sequence[Iterable[torch.Tensor]], codec: str = "int8",
-                 sync_every: int = 50, outer_lr: float = 0.7, outer_momentum: float = 0.9,
+                 sync_every: int = 50, outer_lr: float = OUTER_LR, outer_momentum: float = OUTER_MOMENTUM,
                  nesterov: bool = True, error_feedback: bool = True,
                  cast_sum: Optional[str] = None, min_compress_numel: int = MIN_COMPRESS_NUMEL,
                  bucket_cap_mb: float = 25.0):

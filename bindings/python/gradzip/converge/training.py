@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from ..local_steps import OUTER_LR, OUTER_MOMENTUM
 from ..optim import CompressedSGD, FrozenVarianceAdamW
 from ..optim import compresses_direction as recipe
 from .compression import BASELINE, Reducer, canonical_codec
@@ -68,8 +69,8 @@ class RunConfig:
     # clip_grad_norm_ on the averaged gradient, or each worker's in the reduction for gradzip.optim's
     local_steps: int = 0  # H > 0: every worker trains its own replica with torch's optimizer and
     # the replicas sync every H steps, the outer gradient in ``codec`` (gradzip.local_steps)
-    outer_lr: float = 0.7  # local steps: the outer Nesterov SGD's (DiLoCo's defaults)
-    outer_momentum: float = 0.9
+    outer_lr: float = OUTER_LR  # local steps: the outer Nesterov SGD's (DiLoCo's defaults)
+    outer_momentum: float = OUTER_MOMENTUM
     seed: int = 0
     data: str = "procedural"  # or nyu:FILE / kitti:DEPTH,RAW / folder:DIR; a language model's:
     # a text of text.TEXTS (the image and scene settings do not apply to it)
@@ -99,9 +100,10 @@ class RunConfig:
         name += f"@{self.cast_sum}" if self.cast_sum else ""  # the cost model's spelling
         # local steps: the inner learning rate too (replicas on 1/W of the batch want another)
         name += f"+H{self.local_steps}+ilr{self.lr:g}" if self.local_steps else ""
-        name += f"+olr{self.outer_lr:g}" if self.local_steps and self.outer_lr != 0.7 else ""
-        name += (f"+om{self.outer_momentum:g}" if self.local_steps and self.outer_momentum != 0.9
+        name += (f"+olr{self.outer_lr:g}" if self.local_steps and self.outer_lr != OUTER_LR
                  else "")
+        name += (f"+om{self.outer_momentum:g}"
+                 if self.local_steps and self.outer_momentum != OUTER_MOMENTUM else "")
         return name + (f"+params={self.param_codec}" if self.param_codec else "")
 
 

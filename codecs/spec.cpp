@@ -249,8 +249,9 @@ size_t Codec::encoded_bytes(size_t n) const {
 }
 
 size_t Codec::workspace_bytes(size_t n) const {
-  wire_param(n);  // range check
-  size_t bytes = visit(spec_.kind, [&](auto c) { return detail::encode_workspace_bytes(c, n); });
+  const uint32_t param = wire_param(n);  // range-checks n
+  size_t bytes =
+      visit(spec_.kind, [&](auto c) { return detail::encode_workspace_bytes(c, n, param); });
 #ifdef GRADZIP_HAS_CUDA
   // one number for both backends: the caller may hand the same buffer size to either
   const size_t cuda = detail::cuda_workspace_bytes(spec_, n);

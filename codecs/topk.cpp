@@ -271,6 +271,27 @@ void radix_topk(Plan& p) {
                                           "during encode?)");
 }
 
+// The wire's index sections from the k kept indices (strictly increasing): each chunk's end (the
+// kept indices below the next chunk's first), then every index's offset in its chunk; padding zero.
+void write_indices(const uint32_t* idx, uint64_t k, size_t n, const PayloadLayout& l,
+                   char* payload) {
+  const uint64_t chunks = ceil_div(n, kTopkIndexChunk);
+  auto* ends = reinterpret_cast<uint32_t*>(payload + l.section0);
+  const uint32_t* from = idx;
+  for (uint64_t c = 0; c < chunks; ++c) {
+    const uint64_t next = (c + 1) * kTopkIndexChunk;
+    from = next > UINT32_MAX ? idx + k
+                             : std::lower_bound(from, idx + k, static_cast<uint32_t>(next));
+    ends[c] = static_cast<uint32_t>(from - idx);
+  }
+  std::memset(payload + 4 * chunks, 0, l.section1 - 4 * chunks);
+  auto* offsets = reinterpret_cast<uint16_t*>(payload + l.section1);
+  parallel_ranges(k, 16, [&](size_t b, size_t e) {
+    for (size_t j = b; j < e; ++j) offsets[j] = static_cast<uint16_t>(idx[j] % kTopkIndexChunk);
+  });
+  std::memset(payload + l.section1 + 2 * k, 0, l.section2 - l.section1 - 2 * k);
+}
+
 }  // namespace
 
 void encode_cpu(TopkCodec, const CpuEncode& job) {
@@ -281,8 +302,8 @@ void encode_cpu(TopkCodec, const CpuEncode& job) {
          job.a,
          n,
          k,
-         reinterpret_cast<uint32_t*>(job.payload + job.layout.section0),
-         job.payload + job.layout.section1,
+         topk_kept_indices(job.workspace, n),
+         job.payload + job.layout.section2,
          job.spec.fp16_values,
          static_cast<uint32_t*>(job.workspace)};
   const size_t clen = topk_chunk_len(n);
@@ -292,9 +313,11 @@ void encode_cpu(TopkCodec, const CpuEncode& job) {
     p.chunks[c].len = (c + 1) * clen < n ? clen : n - c * clen;
   }
   p.threads = threads_for(n) < static_cast<int>(p.nch) ? threads_for(n) : static_cast<int>(p.nch);
-  if (sampled_topk(p)) return;
-  for (size_t c = 0; c < p.nch; ++c) p.chunks[c] = Chunk{p.chunks[c].begin, p.chunks[c].len};
-  radix_topk(p);
+  if (!sampled_topk(p)) {
+    for (size_t c = 0; c < p.nch; ++c) p.chunks[c] = Chunk{p.chunks[c].begin, p.chunks[c].len};
+    radix_topk(p);
+  }
+  write_indices(p.idx, k, n, job.layout, job.payload);
 }
 
 void decode_cpu(TopkCodec, const CpuDecode& job) {
@@ -304,16 +327,19 @@ void decode_cpu(TopkCodec, const CpuDecode& job) {
     parallel_ranges(job.n, 16, [&](size_t b, size_t e) {
       std::memset(out + b, 0, (e - b) * sizeof(float));
     });
-  const auto* idx = reinterpret_cast<const uint32_t*>(job.payload + job.layout.section0);
+  const auto* payload = reinterpret_cast<const uint8_t*>(job.payload);
+  const auto* ends = reinterpret_cast<const uint32_t*>(job.payload + job.layout.section0);
+  const auto* offsets = reinterpret_cast<const uint16_t*>(job.payload + job.layout.section1);
   const size_t kk = job.header.param;
   const bool fp16_values = (job.header.flags & kTopkFlagFp16Values) != 0;
-  const auto* f32 = reinterpret_cast<const float*>(job.payload + job.layout.section1);
-  const auto* f16 = reinterpret_cast<const uint16_t*>(job.payload + job.layout.section1);
+  const auto* f32 = reinterpret_cast<const float*>(job.payload + job.layout.section2);
+  const auto* f16 = reinterpret_cast<const uint16_t*>(job.payload + job.layout.section2);
   // Indices are strictly increasing (validated), so ranges of them write disjoint outputs.
   // fp16 values are widened 256 at a time by the vectorised decoder first: converted inside
   // the scatter loop they made it four times slower.
   parallel_ranges(kk, 16, [&](size_t b, size_t e) {
     alignas(64) float widened[256];
+    uint64_t chunk = kk == 0 ? 0 : topk_position(job.header, payload, b).chunk;
     for (size_t s = b; s < e; s += 256) {
       const size_t m = e - s < 256 ? e - s : 256;
       const float* v = f32 + s;
@@ -322,7 +348,8 @@ void decode_cpu(TopkCodec, const CpuDecode& job) {
         v = widened;
       }
       for (size_t j = 0; j < m; ++j) {
-        float& o = out[idx[s + j]];
+        while (ends[chunk] <= s + j) ++chunk;
+        float& o = out[chunk * kTopkIndexChunk + offsets[s + j]];
         o = add ? o + v[j] : v[j];
       }
     }

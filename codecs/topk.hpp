@@ -34,7 +34,7 @@ struct TopkLoops {
 };
 
 // Writes the k indices and values and updates the residual (when job.a.residual is set); the
-// workspace holds encode_workspace_bytes(TopkCodec{}, n) bytes (topk_plan.hpp).
+// workspace holds encode_workspace_bytes(TopkCodec{}, n, k) bytes (topk_plan.hpp).
 void encode_cpu(TopkCodec, const CpuEncode& job);
 // Zeroes the output (decode) or keeps it (decode_add), then scatters the kept values.
 void decode_cpu(TopkCodec, const CpuDecode& job);

@@ -21,10 +21,15 @@ inline size_t topk_num_chunks(size_t n) {
   return n == 0 ? 0 : (n + topk_chunk_len(n) - 1) / topk_chunk_len(n);
 }
 
-// Scratch the CPU encoder of a codec needs for n elements: none, but for top-k's below.
+// Scratch the CPU encoder of a codec needs for n elements and its header's param: none, but for
+// top-k's below.
 template <class C>
-size_t encode_workspace_bytes(C, size_t) { return 0; }
-// Candidate indices (u32) of the threshold bucket: at most one per element.
-inline size_t encode_workspace_bytes(TopkCodec, size_t n) { return 4 * n; }
+size_t encode_workspace_bytes(C, size_t, uint32_t) { return 0; }
+// Candidate indices (u32) of the threshold bucket, at most one per element; then the k kept
+// indices as u32, from which the wire's chunk ends and in-chunk offsets are written.
+inline size_t encode_workspace_bytes(TopkCodec, size_t n, uint32_t k) { return 4 * n + 4ull * k; }
+inline uint32_t* topk_kept_indices(void* workspace, size_t n) {
+  return static_cast<uint32_t*>(workspace) + n;
+}
 
 }  // namespace gradzip::detail

@@ -48,16 +48,25 @@ std::string why(const WireCheck& r, const WireHeader& h, size_t bytes, const uin
              " bytes, the message is " + to_string(want);
     }
     case WireStatus::bad_padding:
+      if (sparse_payload(static_cast<CodecKind>(h.codec)))
+        return "nonzero padding at payload byte " + to_string(r.detail);
       if (r.detail < payload_layout(h).section1) return "nonzero padding after the scales";
       return "sign bits set past the element count";
     case WireStatus::bad_index: {
       const uint64_t j = r.detail / 2;
-      const uint32_t idx = load_u32(payload + 4 * j);
+      const uint64_t idx = topk_position(h, payload, j).index;
       if (r.detail % 2 == 0)
         return "top-k index " + to_string(idx) + " at position " + to_string(j) +
                " is out of range (n=" + to_string(h.count) + ")";
       return "top-k indices not strictly increasing at position " + to_string(j) + " (" +
-             to_string(load_u32(payload + 4 * (j - 1))) + " then " + to_string(idx) + ")";
+             to_string(topk_position(h, payload, j - 1).index) + " then " + to_string(idx) + ")";
+    }
+    case WireStatus::bad_chunk_ends: {
+      const uint64_t c = r.detail;
+      return "top-k chunk " + to_string(c) + " ends at " + to_string(load_u32(payload + 4 * c)) +
+             (c > 0 ? " after " + to_string(load_u32(payload + 4 * (c - 1))) : std::string()) +
+             " (ends never decrease, a chunk keeps at most its length, the last ends at k=" +
+             to_string(h.param) + ")";
     }
   }
   return "unknown status " + to_string(static_cast<uint32_t>(r.status));

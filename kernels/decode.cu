@@ -36,10 +36,10 @@ __global__ void __launch_bounds__(kThreads) validate_indices_kernel(const uint8_
   const WireHeader h = load_header(wire);
   if (!sparse_payload(static_cast<CodecKind>(h.codec))) return;
   const uint32_t k = h.param;
-  const uint8_t* idx = wire + kHeaderBytes;
+  const uint8_t* payload = wire + kHeaderBytes;
   for (uint64_t j = static_cast<uint64_t>(blockIdx.x) * kThreads + threadIdx.x; j < k;
        j += static_cast<uint64_t>(gridDim.x) * kThreads) {
-    const WireCheck r = check_index(idx, j, h.count);
+    const WireCheck r = check_index(h, payload, j);
     if (r.status != WireStatus::ok) {
       atomicMin(reinterpret_cast<unsigned long long*>(&st->detail), static_cast<unsigned long long>(r.detail));
       atomicExch(&st->code, static_cast<uint32_t>(r.status));
@@ -89,13 +89,13 @@ __global__ void __launch_bounds__(kThreads)
   const WireHeader h = load_header(wire);
   if (!sparse_payload(static_cast<CodecKind>(h.codec))) return;
   const uint32_t k = h.param;
-  const uint32_t* idx = reinterpret_cast<const uint32_t*>(wire + kHeaderBytes);
-  const uint8_t* values = wire + kHeaderBytes + 4ull * k;
+  const uint8_t* payload = wire + kHeaderBytes;
   const bool fp16 = (h.flags & kTopkFlagFp16Values) != 0;
+  const uint8_t* values = payload + payload_layout(h).section2;
   for (uint64_t j = static_cast<uint64_t>(blockIdx.x) * kThreads + threadIdx.x; j < k;
        j += static_cast<uint64_t>(gridDim.x) * kThreads) {
     const float v = el::topk_get_value(values, j, fp16);
-    float& o = out[idx[j]];
+    float& o = out[topk_position(h, payload, j).index];
     o = Add ? o + v : v;
   }
 }
@@ -109,8 +109,8 @@ DecodeStatus* sync_status_word() {
 }
 
 void launch_decode(const DecodeLaunch& a) {
-  // Top-k holds at most (bytes - header) / 6 entries (u32 index + fp16 value) and at most n.
-  const uint64_t kmax = std::min<uint64_t>(a.n, (a.bytes - kHeaderBytes) / 6);
+  // Top-k holds at most (bytes - header) / 4 entries (u16 offset + fp16 value) and at most n.
+  const uint64_t kmax = std::min<uint64_t>(a.n, (a.bytes - kHeaderBytes) / 4);
   const unsigned k_grid = std::min<unsigned>(grid_for(kmax, kThreads), static_cast<unsigned>(a.sm_count) * 8);
   const unsigned grid = grid_for(a.n, uint64_t{kThreads} * kV);
   const bool vec_out = reinterpret_cast<uintptr_t>(a.out) % 16 == 0;

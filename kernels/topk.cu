@@ -12,7 +12,8 @@
 //               scan_tiles turns the per-tile counts into exclusive prefixes;
 //   3. write:   each tile emits its kept elements at prefix + in-tile rank (indices strictly
 //               increasing; ties at T go to the lowest indices, as on the CPU) and updates every
-//               residual.
+//               residual; the tile that starts a 65536-element chunk writes the previous chunk's
+//               end (its own prefix).
 // The candidate list is filled with atomics, so its order varies from run to run; it only feeds
 // histograms and counts, so the output does not.
 #include <algorithm>
@@ -222,11 +223,28 @@ __global__ void __launch_bounds__(kThreads)
   write_header(out, header, 0, 0);
   const uint32_t t = st->threshold;
   const uint32_t need = st->need;
-  uint32_t* idx = reinterpret_cast<uint32_t*>(out + kHeaderBytes);
-  uint8_t* values = out + kHeaderBytes + 4ull * k;
+  uint8_t* payload = out + kHeaderBytes;
+  const PayloadLayout l = TopkCodec::layout(n, k, fp16_values);
+  uint16_t* offsets = reinterpret_cast<uint16_t*>(payload + l.section1);
+  uint8_t* values = payload + l.section2;
   const size_t base = static_cast<size_t>(blockIdx.x) * kTile;
   uint32_t gt_before = static_cast<uint32_t>(tile_prefix[blockIdx.x] >> 32);
   uint32_t eq_before = static_cast<uint32_t>(tile_prefix[blockIdx.x]);
+  // A chunk's end is the count kept before the next chunk's first tile; the last chunk's is k.
+  // The zero padding after the ends and the offsets is written once, by block 0.
+  constexpr uint32_t kTilesPerChunk = static_cast<uint32_t>(kTopkIndexChunk / kTile);
+  auto* ends = reinterpret_cast<uint32_t*>(payload + l.section0);
+  const uint64_t chunks = ceil_div(n, kTopkIndexChunk);
+  if (threadIdx.x == 0) {
+    if (blockIdx.x % kTilesPerChunk == 0 && blockIdx.x > 0)
+      ends[blockIdx.x / kTilesPerChunk - 1] = gt_before + (eq_before < need ? eq_before : need);
+    if (blockIdx.x == 0 && chunks > 0) ends[chunks - 1] = k;
+  }
+  if (blockIdx.x == 0) {
+    for (uint64_t b = 4 * chunks + threadIdx.x; b < l.section1; b += kThreads) payload[b] = 0;
+    for (uint64_t b = l.section1 + 2ull * k + threadIdx.x; b < l.section2; b += kThreads)
+      payload[b] = 0;
+  }
 #pragma unroll 1
   for (uint32_t s = 0; s < kTileSteps; ++s) {
     const size_t i = base + (s * kThreads + threadIdx.x) * kV;
@@ -260,7 +278,7 @@ __global__ void __launch_bounds__(kThreads)
           ++e;
         }
         if (keep && pos < k) {  // pos < k always holds; the guard keeps a racing input in bounds
-          idx[pos] = static_cast<uint32_t>(i + j);
+          offsets[pos] = static_cast<uint16_t>((i + j) % kTopkIndexChunk);
           decoded = el::topk_put_value(values, pos, c[j], fp16_values);
         }
       }

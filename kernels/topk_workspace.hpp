@@ -8,10 +8,13 @@
 #include <cstdint>
 
 #include "gradzip/element.hpp"
+#include "gradzip/wire_types.hpp"
 
 namespace gradzip::kernels {
 
 constexpr uint32_t kTopkTile = 4096;  // elements per tile of the count and write passes
+// A wire chunk (kTopkIndexChunk) is a whole number of tiles: its first tile writes its end.
+static_assert(kTopkIndexChunk % kTopkTile == 0, "a wire chunk must be whole tiles");
 constexpr size_t kTopkStateBytes = 64;  // the selection state (TopkState in topk.cu)
 
 // Byte offsets into the workspace for n elements, in order:

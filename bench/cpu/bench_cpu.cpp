@@ -139,10 +139,15 @@ void bench_codec(benchmark::State& state, std::string spec, Mode mode, size_t n)
     // A scattered add moves whole cache lines: each 64-byte line of `out` holding a kept index
     // is read and written back. The same memcpy, sized by those lines, is the floor it can reach.
     const size_t k = codec.topk_k(n);
-    std::vector<uint32_t> idx(k);
-    std::memcpy(idx.data(), d.wire.data() + gradzip::kHeaderBytes, 4 * k);
+    const gradzip::WireHeader h = codec.wire_header(n);
+    const auto* payload = reinterpret_cast<const uint8_t*>(d.wire.data()) + gradzip::kHeaderBytes;
     size_t lines = 0;
-    for (size_t j = 0; j < k; ++j) lines += j == 0 || idx[j] / 16 != idx[j - 1] / 16;
+    uint64_t previous = 0;
+    for (size_t j = 0; j < k; ++j) {
+      const uint64_t idx = gradzip::topk_position(h, payload, j).index;
+      lines += j == 0 || idx / 16 != previous / 16;
+      previous = idx;
+    }
     state.counters["line_floor_ratio"] = memcpy_seconds(d, wire_bytes + 2 * 64 * lines) / per_iter;
   }
   state.counters["floor_bytes"] = static_cast<double>(bytes);

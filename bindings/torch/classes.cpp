@@ -123,6 +123,7 @@ c10::Dict<std::string, int64_t> wire_constants() {
   d.insert("header_bytes", static_cast<int64_t>(kHeaderBytes));
   d.insert("max_count", static_cast<int64_t>(kMaxCount));
   d.insert("topk_max_count", static_cast<int64_t>(kTopkMaxCount));
+  d.insert("topk_index_chunk", static_cast<int64_t>(kTopkIndexChunk));
   d.insert("min_block", kMinBlock);
   d.insert("max_block", kMaxBlock);
   d.insert("default_int8_block", kDefaultInt8Block);

@@ -22,7 +22,9 @@
 //   fp16/bf16  n x u16
 //   int8       nb = ceil(n/block) x f32 scales, pad to 16; then n x i8
 //   sign       nb x f32 scales (mean |x|), pad to 16; then ceil(n/32) x u32 sign words
-//   topk       k x u32 indices (strictly increasing, < n); then k x f32 (or fp16) values
+//   topk       ceil(n/65536) x u32 chunk ends (kept elements in this 65536-element chunk and those
+//              before it), pad to 16; k x u16 offsets in the chunk (strictly increasing inside
+//              it, index = chunk * 65536 + offset < n), pad to 16; k x f32 (or fp16) values
 #pragma once
 
 #include <cstddef>
@@ -59,7 +61,7 @@ GZ_HD constexpr uint64_t message_bytes(CodecKind codec, uint64_t n, uint32_t par
 // codecs need (4 bytes) and use for vector accesses (16 bytes).
 GZ_HD constexpr uint64_t message_slot_bytes(uint64_t message_bytes) { return align16(message_bytes); }
 
-// Whether a known codec's payload is index/value pairs (its traits' `sparse`: top-k), whose
+// Whether a known codec's payload is indices and values (its traits' `sparse`: top-k), whose
 // indices are checked one by one (check_index) and whose values a decoder scatters.
 GZ_HD constexpr bool sparse_payload(CodecKind codec) {
   return visit(codec, [](auto c) { return c.sparse; });
@@ -83,8 +85,9 @@ GZ_HD constexpr WireCheck check_header(const WireHeader& h, uint64_t bytes) {
   return {WireStatus::ok, 0};
 }
 
-// The payload bytes a valid header does not pin down, except top-k indices: the zero padding
-// after int8/sign scales and the unused bits of the last sign word. `payload` follows the header,
+// The payload bytes a valid header does not pin down, except top-k offsets: the zero padding
+// after int8/sign scales and top-k's sections, the unused bits of the last sign word and top-k's
+// chunk ends. `payload` follows the header,
 // which check_header accepted.
 GZ_HD WireCheck check_payload(const WireHeader& h, const uint8_t* payload) {
   return visit(static_cast<CodecKind>(h.codec), [&](auto c) { return c.check_padding(h, payload); });
@@ -98,7 +101,7 @@ GZ_HD WireCheck check_message(const WireHeader& h, uint64_t bytes, const uint8_t
   r = check_payload(h, payload);
   if (r.status != WireStatus::ok || !sparse_payload(static_cast<CodecKind>(h.codec))) return r;
   for (uint64_t j = 0; j < h.param; ++j) {
-    r = check_index(payload, j, h.count);
+    r = check_index(h, payload, j);
     if (r.status != WireStatus::ok) return r;
   }
   return r;

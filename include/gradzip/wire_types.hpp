@@ -12,7 +12,7 @@
 namespace gradzip {
 
 constexpr uint32_t kWireMagic = 0x50495A47u;  // "GZIP" in memory order
-constexpr uint16_t kWireVersion = 1;
+constexpr uint16_t kWireVersion = 2;
 constexpr size_t kHeaderBytes = 32;
 
 enum class CodecKind : uint8_t { fp32 = 0, fp16 = 1, bf16 = 2, int8 = 3, sign = 4, topk = 5 };
@@ -36,8 +36,10 @@ static_assert(sizeof(WireHeader) == kHeaderBytes, "wire header must be 32 bytes"
 // Largest element count any codec accepts: keeps every byte computation below far from 64-bit
 // overflow (4 * 2^48 bytes).
 constexpr uint64_t kMaxCount = uint64_t{1} << 48;
-// Top-k indices are u32 on the wire.
+// Top-k indices: an element's index is its chunk of kTopkIndexChunk elements (implied by the
+// payload's chunk ends) and a u16 offset inside it, so indices stay below 2^32.
 constexpr uint64_t kTopkMaxCount = 0xFFFFFFFFull;
+constexpr uint64_t kTopkIndexChunk = 65536;
 // int8/sign block sizes: multiples of 32 (a sign word's bits never straddle two blocks).
 constexpr uint32_t kMinBlock = 32;
 constexpr uint32_t kMaxBlock = 65536;
@@ -53,8 +55,9 @@ GZ_HD constexpr uint64_t align16(uint64_t a) { return (a + 15) & ~uint64_t{15}; 
 // Byte offsets inside the payload (after the header) of each section. One definition, used by
 // the encoders, the decoders and the validators on both sides.
 struct PayloadLayout {
-  uint64_t section0 = 0;  // int8/sign: scales; topk: indices; casts: values
-  uint64_t section1 = 0;  // int8: q bytes; sign: words; topk: values
+  uint64_t section0 = 0;  // int8/sign: scales; topk: chunk ends; casts: values
+  uint64_t section1 = 0;  // int8: q bytes; sign: words; topk: in-chunk offsets
+  uint64_t section2 = 0;  // topk: values
   uint64_t bytes = 0;     // total payload bytes
 };
 
@@ -72,13 +75,14 @@ enum class WireStatus : uint32_t {
   bad_flags,
   bad_payload_bytes,  // payload_bytes differs from the codec's layout
   wrong_length,       // the buffer is not exactly header + payload_bytes long
-  bad_padding,        // nonzero padding after the scales, or sign bits set past the count
+  bad_padding,        // nonzero padding after a section, or sign bits set past the count
   bad_index,          // top-k index out of range or not strictly increasing
+  bad_chunk_ends,     // top-k chunk ends decreasing, above a chunk's length, or not ending at k
 };
 
 // detail: the header field involved; wrong_length: the buffer's length; bad_padding: the payload
 // byte offset; bad_index: 2 * position + (1 if not above the previous index, 0 if out of range),
-// so that the smallest detail is the first fault in index order.
+// so that the smallest detail is the first fault in index order; bad_chunk_ends: the chunk.
 struct WireCheck {
   WireStatus status;
   uint64_t detail;
@@ -100,19 +104,24 @@ GZ_HD constexpr const char* wire_status_text(WireStatus s) {
     case WireStatus::wrong_length: return "wire is not header + payload_bytes long";
     case WireStatus::bad_padding: return "nonzero padding or unused sign bits";
     case WireStatus::bad_index: return "top-k index out of range or not increasing";
+    case WireStatus::bad_chunk_ends: return "top-k chunk ends inconsistent";
   }
   return "unknown status";
 }
 
-// A little-endian u32 of the payload. Device payloads are 4-byte aligned; host ones may not be.
-GZ_HD uint32_t load_u32(const uint8_t* p) {
+// A little-endian word of the payload (u32: sign words, top-k chunk ends; u16: top-k offsets).
+// Device payloads are aligned to their words; host ones may not be.
+template <class Word>
+GZ_HD Word load_word(const uint8_t* p) {
 #if defined(__CUDA_ARCH__)
-  return *reinterpret_cast<const uint32_t*>(p);
+  return *reinterpret_cast<const Word*>(p);
 #else
-  uint32_t v;
+  Word v;
   std::memcpy(&v, p, sizeof v);
   return v;
 #endif
 }
+GZ_HD uint32_t load_u32(const uint8_t* p) { return load_word<uint32_t>(p); }
+GZ_HD uint16_t load_u16(const uint8_t* p) { return load_word<uint16_t>(p); }
 
 }  // namespace gradzip

@@ -123,15 +123,6 @@ void check_against_reference(const Codec& codec, const std::vector<float>& c,
   }
 }
 
-// The indices on the wire of a top-k message (to check the exact set, not just values).
-std::vector<uint32_t> topk_indices(const Bytes& wire) {
-  gradzip::WireHeader h;
-  std::memcpy(&h, wire.data(), sizeof h);
-  std::vector<uint32_t> idx(h.param);
-  std::memcpy(idx.data(), wire.data() + gradzip::kHeaderBytes, 4 * idx.size());
-  return idx;
-}
-
 class CodecProps : public ::testing::TestWithParam<const char*> {
  protected:
   Codec codec = Codec::parse(GetParam());

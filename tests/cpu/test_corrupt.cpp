@@ -23,7 +23,18 @@ gradzip::WireHeader header_of(const Bytes& w) {
 }
 void set_header(Bytes& w, const gradzip::WireHeader& h) { std::memcpy(w.data(), &h, sizeof h); }
 
-uint32_t* topk_idx(Bytes& w) { return reinterpret_cast<uint32_t*>(w.data() + gradzip::kHeaderBytes); }
+// Top-k's sections of a kN-element message (test_util.hpp reads the layout from the docs).
+uint32_t* topk_ends(Bytes& w) {
+  return reinterpret_cast<uint32_t*>(w.data() + gradzip::kHeaderBytes);
+}
+uint16_t* topk_offsets(Bytes& w) {
+  const auto s = topk_sections(kN, header_of(w).param);
+  return reinterpret_cast<uint16_t*>(w.data() + gradzip::kHeaderBytes + s.offsets);
+}
+std::byte& topk_offset_padding(Bytes& w) {  // 1% of kN: 10 offsets, 20 bytes, 12 of padding
+  const auto s = topk_sections(kN, header_of(w).param);
+  return w[gradzip::kHeaderBytes + s.values - 1];
+}
 
 // Decoding `wire` into kN floats must throw `want` for decode and decode_add and leave the output
 // exactly as it was.
@@ -71,7 +82,8 @@ const Case kCases[] = {
     {"payload_truncated", "int8", Status::corrupt_payload, [](Bytes& w) { w.pop_back(); }},
     {"extra_bytes", "bf16", Status::corrupt_payload, [](Bytes& w) { w.push_back(std::byte{0}); }},
     {"wrong_magic", "fp32", Status::corrupt_payload, edit([](auto& h) { h.magic ^= 1; })},
-    {"wrong_version", "fp16", Status::corrupt_payload, edit([](auto& h) { h.version = 2; })},
+    {"wrong_version", "fp16", Status::corrupt_payload,
+     edit([](auto& h) { h.version = gradzip::kWireVersion + 1; })},
     {"unknown_codec", "fp32", Status::corrupt_payload, edit([](auto& h) { h.codec = 6; })},
     {"unknown_dtype", "fp32", Status::corrupt_payload, edit([](auto& h) { h.dtype = 1; })},
     {"count_mismatch", "fp32", Status::size_mismatch, [](Bytes& w) {
@@ -92,13 +104,21 @@ const Case kCases[] = {
     {"sign_tail_bits", "sign:block=32", Status::corrupt_payload,
      [](Bytes& w) { w.back() = std::byte{0x80}; }},
     {"topk_index_out_of_range", "topk:0.01", Status::corrupt_payload,
-     [](Bytes& w) { topk_idx(w)[9] = kN; }},
+     [](Bytes& w) { topk_offsets(w)[9] = kN; }},
     {"topk_index_huge", "topk:0.01", Status::corrupt_payload,
-     [](Bytes& w) { topk_idx(w)[9] = 0xFFFFFFFFu; }},
+     [](Bytes& w) { topk_offsets(w)[9] = 0xFFFFu; }},
     {"topk_out_of_order", "topk:0.01", Status::corrupt_payload,
-     [](Bytes& w) { std::swap(topk_idx(w)[3], topk_idx(w)[4]); }},
+     [](Bytes& w) { std::swap(topk_offsets(w)[3], topk_offsets(w)[4]); }},
     {"topk_duplicate", "topk:0.01", Status::corrupt_payload,
-     [](Bytes& w) { topk_idx(w)[4] = topk_idx(w)[3]; }},
+     [](Bytes& w) { topk_offsets(w)[4] = topk_offsets(w)[3]; }},
+    {"topk_chunk_end_short", "topk:0.01", Status::corrupt_payload,
+     [](Bytes& w) { topk_ends(w)[0] -= 1; }},
+    {"topk_chunk_end_long", "topk:0.01", Status::corrupt_payload,
+     [](Bytes& w) { topk_ends(w)[0] += 1; }},
+    {"topk_chunk_end_padding", "topk:0.01", Status::corrupt_payload,
+     [](Bytes& w) { topk_ends(w)[1] = 1; }},
+    {"topk_offset_padding", "topk:0.01", Status::corrupt_payload,
+     [](Bytes& w) { topk_offset_padding(w) = std::byte{1}; }},
 };
 
 INSTANTIATE_TEST_SUITE_P(All, Corrupt, ::testing::ValuesIn(kCases),
@@ -116,6 +136,37 @@ TEST(CorruptPadding, NonzeroPaddingRejected) {
   } catch (const gradzip::Error& e) {
     EXPECT_EQ(e.status(), Status::corrupt_payload);
   }
+}
+
+// Chunk ends of a message of several 65536-element chunks: a decreasing end, a chunk that holds
+// more than its length, and an offset past the end of the last (partial) chunk.
+TEST(CorruptTopkChunks, EveryChunkEndAndTheLastChunkChecked) {
+  const size_t n = 3 * 65536 + 5;
+  const Bytes good = encode(Codec::parse("topk:0.5"), random_grad(n, 2));
+  const auto s = topk_sections(n, header_of(good).param);
+  auto ends = [&](Bytes& w) {
+    return reinterpret_cast<uint32_t*>(w.data() + gradzip::kHeaderBytes);
+  };
+  auto offsets = [&](Bytes& w) {
+    return reinterpret_cast<uint16_t*>(w.data() + gradzip::kHeaderBytes + s.offsets);
+  };
+  const std::vector<std::function<void(Bytes&)>> edits = {
+      [&](Bytes& w) { ends(w)[2] = ends(w)[1] - 1; },
+      [&](Bytes& w) { ends(w)[1] = ends(w)[0] + 65537; },
+      [&](Bytes& w) { offsets(w)[header_of(w).param - 1] = 5; },
+  };
+  std::vector<float> out(n);
+  for (size_t e = 0; e < edits.size(); ++e) {
+    Bytes w = good;
+    edits[e](w);
+    try {
+      gradzip::decode(w.data(), w.size(), out.data(), n);
+      ADD_FAILURE() << "edit " << e << " accepted";
+    } catch (const gradzip::Error& err) {
+      EXPECT_EQ(err.status(), Status::corrupt_payload) << e;
+    }
+  }
+  gradzip::decode(good.data(), good.size(), out.data(), n);  // the unedited message decodes
 }
 
 TEST(CorruptArgs, NullWire) {

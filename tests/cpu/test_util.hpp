@@ -99,4 +99,36 @@ __attribute__((target("f16c"))) inline float ref_fp16_to_float(uint16_t h) { ret
 
 inline bool cpu_has_f16c() { return __builtin_cpu_supports("f16c"); }
 
+// Top-k's wire as docs/wire-format.md describes it (read here independently of the library):
+// after the header, ceil(n / 65536) u32 chunk ends, padded to 16 bytes; k u16 offsets inside the
+// chunk, padded to 16; k values.
+struct TopkSections {
+  size_t chunks, offsets, values;  // chunk count; byte offsets of the two later sections
+};
+inline TopkSections topk_sections(uint64_t n, uint64_t k) {
+  const size_t chunks = (n + 65535) / 65536;
+  const size_t offsets = (4 * chunks + 15) / 16 * 16;
+  return {chunks, offsets, offsets + (2 * k + 15) / 16 * 16};
+}
+// The kept indices of a top-k message: chunk * 65536 + offset, position by position.
+inline std::vector<uint32_t> topk_indices(const std::vector<std::byte>& wire) {
+  gradzip::WireHeader h;
+  std::memcpy(&h, wire.data(), sizeof h);
+  const TopkSections s = topk_sections(h.count, h.param);
+  const std::byte* payload = wire.data() + gradzip::kHeaderBytes;
+  std::vector<uint32_t> idx(h.param);
+  size_t chunk = 0;
+  for (size_t j = 0; j < idx.size(); ++j) {
+    uint32_t end;
+    for (;; ++chunk) {
+      std::memcpy(&end, payload + 4 * chunk, 4);
+      if (end > j) break;
+    }
+    uint16_t offset;
+    std::memcpy(&offset, payload + s.offsets + 2 * j, 2);
+    idx[j] = static_cast<uint32_t>(chunk * 65536 + offset);
+  }
+  return idx;
+}
+
 }  // namespace gztest

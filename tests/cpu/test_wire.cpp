@@ -19,12 +19,15 @@ using gradzip::WireStatus;
 // compile time.
 static_assert(gradzip::message_bytes(CodecKind::int8, 257, 256, false) == 32 + 16 + 257);
 static_assert(gradzip::message_bytes(CodecKind::sign, 33, 32, false) == 32 + 16 + 8);
-static_assert(gradzip::message_bytes(CodecKind::topk, 100, 3, true) == 32 + 18);
+// top-k: one chunk end (4 bytes, padded to 16), 3 u16 offsets (padded to 16), 3 fp16 values
+static_assert(gradzip::message_bytes(CodecKind::topk, 100, 3, true) == 32 + 16 + 16 + 6);
+static_assert(gradzip::message_bytes(CodecKind::topk, 65537, 9, false) == 32 + 16 + 32 + 36);
+constexpr uint16_t kVersion = gradzip::kWireVersion;
 static_assert(gradzip::message_slot_bytes(33) == 48 && gradzip::message_slot_bytes(48) == 48);
-static_assert(gradzip::check_header(gradzip::WireHeader{gradzip::kWireMagic, 1, 3, 0, 257, 256, 0, 16 + 257},
+static_assert(gradzip::check_header(gradzip::WireHeader{gradzip::kWireMagic, kVersion, 3, 0, 257, 256, 0, 16 + 257},
                                     32 + 16 + 257)
                   .status == WireStatus::ok);
-static_assert(gradzip::check_header(gradzip::WireHeader{gradzip::kWireMagic, 1, 3, 0, 257, 48, 0, 16 + 257},
+static_assert(gradzip::check_header(gradzip::WireHeader{gradzip::kWireMagic, kVersion, 3, 0, 257, 48, 0, 16 + 257},
                                     32 + 16 + 257)
                   .status == WireStatus::bad_param);
 
@@ -92,7 +95,7 @@ TEST(Wire, CountLimits) {
 }
 
 TEST(Wire, EveryStatusHasText) {
-  for (uint32_t s = 0; s <= static_cast<uint32_t>(WireStatus::bad_index); ++s)
+  for (uint32_t s = 0; s <= static_cast<uint32_t>(WireStatus::bad_chunk_ends); ++s)
     EXPECT_STRNE(gradzip::wire_status_text(static_cast<WireStatus>(s)), "unknown status") << s;
 }
 

@@ -131,19 +131,33 @@ inline std::optional<gradzip::WireHeader> reference_validate(const uint8_t* data
     case CodecKind::topk: {
       if (h.flags & ~gradzip::kTopkFlagFp16Values) return std::nullopt;
       if (h.param > h.count) return std::nullopt;
-      const u128 k = h.param;
-      expect = 4 * k + ((h.flags & gradzip::kTopkFlagFp16Values) ? 2 : 4) * k;
+      const u128 k = h.param, chunks = (n + 65535) / 65536;
+      expect = (4 * chunks + 15) / 16 * 16 + (2 * k + 15) / 16 * 16 +
+               ((h.flags & gradzip::kTopkFlagFp16Values) ? 2 : 4) * k;
       break;
     }
   }
   if (kind != CodecKind::topk && h.flags != 0) return std::nullopt;
   if (expect != h.payload_bytes) return std::nullopt;
-  if (kind == CodecKind::topk) {  // indices strictly increasing and < count
-    const uint8_t* idx = data + gradzip::kHeaderBytes;
-    for (uint64_t i = 0; i < h.param; ++i) {
-      const uint32_t v = load<uint32_t>(idx + 4 * i);
-      if (v >= h.count) return std::nullopt;
-      if (i > 0 && v <= load<uint32_t>(idx + 4 * (i - 1))) return std::nullopt;
+  if (kind == CodecKind::topk) {
+    // chunk ends (kept elements up to the end of each 65536-element chunk) and zero padding, then
+    // indices chunk * 65536 + offset, strictly increasing and < count
+    const uint8_t* p = data + gradzip::kHeaderBytes;
+    const uint64_t chunks = (h.count + 65535) / 65536;
+    const uint64_t offsets = (4 * chunks + 15) / 16 * 16;
+    const uint64_t values = offsets + (2 * uint64_t{h.param} + 15) / 16 * 16;
+    for (uint64_t b = 4 * chunks; b < offsets; ++b) if (p[b] != 0) return std::nullopt;
+    for (uint64_t b = offsets + 2 * uint64_t{h.param}; b < values; ++b)
+      if (p[b] != 0) return std::nullopt;
+    uint64_t j = 0, previous = 0;
+    for (uint64_t c = 0; c < chunks; ++c) {
+      const uint64_t end = load<uint32_t>(p + 4 * c);
+      if (end < j || end > h.param || (c + 1 == chunks && end != h.param)) return std::nullopt;
+      for (; j < end; ++j) {
+        const uint64_t v = c * 65536 + load<uint16_t>(p + offsets + 2 * j);
+        if (v >= h.count || (j > 0 && v <= previous)) return std::nullopt;
+        previous = v;
+      }
     }
   }
   return h;

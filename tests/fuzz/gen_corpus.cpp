@@ -1,7 +1,8 @@
 // Writes the checked-in seed corpus: fuzz_corpus_gen OUT_DIR (normally tests/fuzz/corpus).
 // Seeds are small valid inputs of every kind, so that the fuzzers start past the header checks:
-//   decode, decode_add, read_header: one wire per codec (odd sizes, a partial last block, one wire
-//                                    holding NaN, Inf, a denormal and -0.0);
+//   decode, decode_add, read_header: one wire per codec (odd sizes, a partial last block, top-k
+//                                    over several index chunks, one wire holding NaN, Inf, a
+//                                    denormal and -0.0);
 //   roundtrip:                       spec byte + flags byte + values, covering every spec and flag;
 //   spec:                            valid and almost-valid spec strings.
 #include <cmath>
@@ -60,6 +61,7 @@ int main(int argc, char** argv) {
       {"bf16", 29, true},       {"int8:block=32", 70, false}, {"int8", 40, true},
       {"sign:block=32", 100, false}, {"sign", 37, true},     {"topk:0.1", 100, false},
       {"topk:0.2:values=fp16", 50, true}, {"topk:1", 3, false},
+      {"topk:0.01", 65536 + 77, false},  // two index chunks, the second one partial
   };
   for (const Seed& s : seeds) {
     const gradzip::Codec codec = gradzip::Codec::parse(s.spec);

@@ -37,7 +37,7 @@ inline std::vector<std::pair<std::string, WireBytes>> corruptions(const gradzip:
   };
   add("valid", [](WireBytes&) {});
   add("magic", [](WireBytes& w) { w[0] ^= std::byte{1}; });
-  add("version", [](WireBytes& w) { poke<uint16_t>(w, 4, 2); });
+  add("version", [](WireBytes& w) { poke<uint16_t>(w, 4, gradzip::kWireVersion + 1); });
   for (uint8_t c = 0; c <= 6; ++c)
     add("codec " + std::to_string(c), [c](WireBytes& w) { w[6] = std::byte{c}; });
   add("dtype", [](WireBytes& w) { w[7] = std::byte{1}; });
@@ -67,17 +67,21 @@ inline std::vector<std::pair<std::string, WireBytes>> corruptions(const gradzip:
       add("sign tail bit", [&](WireBytes& w) { w[32 + l.bytes - 1] |= std::byte{0x80}; });
   }
   if (kind == gradzip::CodecKind::topk && h.param >= 2) {
+    // n < 65536 here: one chunk end, then the u16 offsets (padded to 16 bytes), then the values
     const size_t k = h.param;
-    const auto nn = static_cast<uint32_t>(n);
-    add("index[0]=n", [&](WireBytes& w) { poke<uint32_t>(w, 32, nn); });
-    add("index[k-1]=n", [&](WireBytes& w) { poke<uint32_t>(w, 32 + 4 * (k - 1), nn); });
-    add("index[k-1]=~0", [&](WireBytes& w) { poke<uint32_t>(w, 32 + 4 * (k - 1), 0xFFFFFFFFu); });
-    add("duplicate", [](WireBytes& w) { poke<uint32_t>(w, 36, peek<uint32_t>(w, 32)); });
-    add("swapped", [](WireBytes& w) {
-      const auto a = peek<uint32_t>(w, 32), b = peek<uint32_t>(w, 36);
-      poke<uint32_t>(w, 32, b);
-      poke<uint32_t>(w, 36, a);
+    const size_t at = 32 + l.section1;  // the first offset
+    const auto nn = static_cast<uint16_t>(n);
+    add("offset[0]=n", [=](WireBytes& w) { poke<uint16_t>(w, at, nn); });
+    add("offset[k-1]=n", [=](WireBytes& w) { poke<uint16_t>(w, at + 2 * (k - 1), nn); });
+    add("offset[k-1]=~0", [=](WireBytes& w) { poke<uint16_t>(w, at + 2 * (k - 1), 0xFFFFu); });
+    add("duplicate", [=](WireBytes& w) { poke<uint16_t>(w, at + 2, peek<uint16_t>(w, at)); });
+    add("swapped", [=](WireBytes& w) {
+      const auto a = peek<uint16_t>(w, at), b = peek<uint16_t>(w, at + 2);
+      poke<uint16_t>(w, at, b);
+      poke<uint16_t>(w, at + 2, a);
     });
+    add("chunk end k-1", [=](WireBytes& w) { poke<uint32_t>(w, 32, static_cast<uint32_t>(k - 1)); });
+    add("end padding", [](WireBytes& w) { w[36] = std::byte{1}; });
   }
   std::mt19937_64 rng(42 + n);
   for (int t = 0; t < 150; ++t) {

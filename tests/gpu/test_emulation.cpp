@@ -48,7 +48,7 @@ TEST(Emulation, SmallestIndexFaultIsTheFirstInIndexOrder) {
           continue;
         WireCheck smallest{WireStatus::ok, ~uint64_t{0}};
         for (uint64_t j = h.param; j-- > 0;) {  // any order: the minimum does not depend on it
-          const WireCheck r = gradzip::check_index(payload, j, h.count);
+          const WireCheck r = gradzip::check_index(h, payload, j);
           if (r.status != WireStatus::ok && r.detail <= smallest.detail) smallest = r;
         }
         const WireCheck first = gradzip::check_message(h, w.size(), payload);

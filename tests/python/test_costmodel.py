@@ -47,8 +47,11 @@ def test_encoded_bytes_by_formula(n):
     sign = cm.Codec.parse("sign:block=64").encoded_bytes(n)
     assert sign == 32 + 16 * math.ceil(math.ceil(n / 64) / 4) + 4 * math.ceil(n / 32)
     k = 0 if n == 0 else max(1, math.ceil(0.01 * n))
-    assert cm.Codec.parse("topk:0.01").encoded_bytes(n) == 32 + 8 * k
-    assert cm.Codec.parse("topk:0.01:values=fp16").encoded_bytes(n) == 32 + 6 * k
+    # top-k: a u32 end per 65536-element chunk, a u16 offset per kept element, each section
+    # padded to 16 bytes; then the values
+    indices = 16 * math.ceil(math.ceil(n / 65536) / 4) + 16 * math.ceil(2 * k / 16)
+    assert cm.Codec.parse("topk:0.01").encoded_bytes(n) == 32 + indices + 4 * k
+    assert cm.Codec.parse("topk:0.01:values=fp16").encoded_bytes(n) == 32 + indices + 2 * k
 
 
 @pytest.mark.parametrize("spec", ["bf16", "int8", "sign", "int8:block=64", "topk:0.01",

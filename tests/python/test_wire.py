@@ -176,7 +176,8 @@ def test_the_constants_are_the_extensions():
     definition in C++, and names every constant the extension lists."""
     ext = dict(torch.ops.gradzip.wire_constants())
     python = {"header_bytes": wire.HEADER_BYTES, "max_count": wire.MAX_COUNT,
-              "topk_max_count": wire.TOPK_MAX_COUNT, "min_block": wire.MIN_BLOCK,
+              "topk_max_count": wire.TOPK_MAX_COUNT, "topk_index_chunk": wire.TOPK_INDEX_CHUNK,
+              "min_block": wire.MIN_BLOCK,
               "max_block": wire.MAX_BLOCK, "default_int8_block": wire.DEFAULT_INT8_BLOCK,
               "default_sign_block": wire.DEFAULT_SIGN_BLOCK, "min_piece": wire.MIN_PIECE,
               "chunk": wire.CHUNK}

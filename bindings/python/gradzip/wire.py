@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 HEADER_BYTES = 32
 MAX_COUNT = 1 << 48  # largest element count of a message
-TOPK_MAX_COUNT = 0xFFFFFFFF  # top-k indices are u32
+TOPK_MAX_COUNT = 0xFFFFFFFF  # top-k indices stay below 2^32
+TOPK_INDEX_CHUNK = 1 << 16  # a top-k index travels as its chunk's end and a u16 offset in it
 MIN_BLOCK, MAX_BLOCK = 32, 65536
 DEFAULT_INT8_BLOCK = 256
 DEFAULT_SIGN_BLOCK = 1024
@@ -157,8 +158,9 @@ def payload_bytes(kind: str, n: int, param: int, fp16_values: bool = False) -> i
         return align16(4 * ceil_div(n, param)) + n
     if kind == "sign":
         return align16(4 * ceil_div(n, param)) + 4 * ceil_div(n, 32)
-    if kind == "topk":
-        return param * (4 + (2 if fp16_values else 4))
+    if kind == "topk":  # chunk ends, u16 offsets, values
+        chunks = ceil_div(n, TOPK_INDEX_CHUNK)
+        return align16(4 * chunks) + align16(2 * param) + param * (2 if fp16_values else 4)
     raise ValueError(f"{kind} has no gradzip wire format")
 
 

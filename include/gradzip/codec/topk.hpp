@@ -1,5 +1,8 @@
-// Top-k by magnitude: the k largest |x| as k u32 indices, then k values (f32, or fp16 when the
-// header's flag kTopkFlagFp16Values is set). The header's param is k.
+// Top-k by magnitude: the k largest |x| as their indices and values (f32, or fp16 when the
+// header's flag kTopkFlagFp16Values is set). The header's param is k. An index travels as a u16
+// offset inside its chunk of kTopkIndexChunk elements; the chunk is implied by a u32 per chunk,
+// the number of kept elements in it and the chunks before it (its end): 2 bytes per kept element
+// plus 4 per 65536 elements, instead of a u32 per kept element.
 #pragma once
 
 #include "gradzip/codec/cast.hpp"
@@ -49,11 +52,13 @@ struct TopkCodec {
   static constexpr bool summable = false;
   static constexpr bool sparse = true;
   static constexpr bool all_gathered = true;
-  // Payload: k u32 indices, then k values.
-  static GZ_HD constexpr PayloadLayout layout(uint64_t /*n*/, uint32_t k, bool fp16_values) {
+  // Payload: ceil(n / kTopkIndexChunk) u32 chunk ends, pad to 16; k u16 in-chunk offsets, pad
+  // to 16; k values.
+  static GZ_HD constexpr PayloadLayout layout(uint64_t n, uint32_t k, bool fp16_values) {
     PayloadLayout l{};
-    l.section1 = 4ull * k;
-    l.bytes = l.section1 + (fp16_values ? 2ull : 4ull) * k;
+    l.section1 = align16(4 * ceil_div(n, kTopkIndexChunk));
+    l.section2 = l.section1 + align16(2ull * k);
+    l.bytes = l.section2 + (fp16_values ? 2ull : 4ull) * k;
     return l;
   }
   static GZ_HD constexpr WireCheck check_params(const WireHeader& h) {
@@ -63,8 +68,24 @@ struct TopkCodec {
     if ((h.flags & ~kTopkFlagFp16Values) != 0) return {WireStatus::bad_flags, h.flags};
     return {WireStatus::ok, 0};
   }
-  // No padding; the indices are checked one by one (check_index).
-  static GZ_HD constexpr WireCheck check_padding(const WireHeader&, const uint8_t*) {
+  // The zero padding after the chunk ends and after the offsets, then the chunk ends: never
+  // decreasing, a chunk holding at most its length, the last one k. The offsets are checked one
+  // by one (check_index).
+  static GZ_HD WireCheck check_padding(const WireHeader& h, const uint8_t* payload) {
+    const uint64_t chunks = ceil_div(h.count, kTopkIndexChunk);
+    const PayloadLayout l = layout(h.count, h.param, false);
+    for (uint64_t b = 4 * chunks; b < l.section1; ++b)
+      if (payload[b] != 0) return {WireStatus::bad_padding, b};
+    for (uint64_t b = l.section1 + 2ull * h.param; b < l.section2; ++b)
+      if (payload[b] != 0) return {WireStatus::bad_padding, b};
+    uint64_t start = 0;
+    for (uint64_t c = 0; c < chunks; ++c) {
+      const uint64_t end = load_u32(payload + 4 * c);
+      const uint64_t len = c + 1 < chunks ? kTopkIndexChunk : h.count - c * kTopkIndexChunk;
+      if (end < start || end - start > len || (c + 1 == chunks && end != h.param))
+        return {WireStatus::bad_chunk_ends, c};
+      start = end;
+    }
     return {WireStatus::ok, 0};
   }
 
@@ -77,12 +98,31 @@ struct TopkCodec {
   }
 };
 
-// Top-k index j of a message of `count` elements: below count and above index j - 1.
-// `indices` is the payload's first section. Independent per j, so the device checks in parallel.
-GZ_HD WireCheck check_index(const uint8_t* indices, uint64_t j, uint64_t count) {
-  const uint32_t v = load_u32(indices + 4 * j);
-  if (v >= count) return {WireStatus::bad_index, 2 * j};
-  if (j > 0 && v <= load_u32(indices + 4 * (j - 1))) return {WireStatus::bad_index, 2 * j + 1};
+// Where position j of a top-k payload lies: its chunk (the first whose end is above j, found by
+// bisection over the chunk ends, which check_padding validated), the chunk's first position and
+// the element index. Independent per j, so the device decoders use it in parallel.
+struct TopkPosition {
+  uint64_t chunk, chunk_start, index;
+};
+GZ_HD TopkPosition topk_position(const WireHeader& h, const uint8_t* payload, uint64_t j) {
+  uint64_t lo = 0, hi = ceil_div(h.count, kTopkIndexChunk) - 1;  // j < k: some chunk ends above j
+  while (lo < hi) {
+    const uint64_t mid = lo + (hi - lo) / 2;
+    if (load_u32(payload + 4 * mid) > j) hi = mid; else lo = mid + 1;
+  }
+  const uint64_t start = lo == 0 ? 0 : load_u32(payload + 4 * (lo - 1));
+  const PayloadLayout l = TopkCodec::layout(h.count, h.param, false);
+  return {lo, start, lo * kTopkIndexChunk + load_u16(payload + l.section1 + 2 * j)};
+}
+
+// Top-k position j of a message whose header and chunk ends are valid: its index below count and
+// above the one at j - 1 (inside a chunk; the chunks themselves are in order).
+GZ_HD WireCheck check_index(const WireHeader& h, const uint8_t* payload, uint64_t j) {
+  const TopkPosition p = topk_position(h, payload, j);
+  if (p.index >= h.count) return {WireStatus::bad_index, 2 * j};
+  const uint8_t* offsets = payload + TopkCodec::layout(h.count, h.param, false).section1;
+  if (j > p.chunk_start && load_u16(offsets + 2 * j) <= load_u16(offsets + 2 * (j - 1)))
+    return {WireStatus::bad_index, 2 * j + 1};
   return {WireStatus::ok, 0};
 }
 

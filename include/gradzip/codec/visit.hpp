@@ -9,7 +9,7 @@
 //                 encodes a shard as one message per tensor piece
 //   summable      the payload is the n values in a float type (wire_dtype) that a backend's
 //                 all-reduce sums in place (the casts): a bucket can be summed on the wire
-//   sparse        the payload is k increasing u32 indices, then k values (top-k): validators check
+//   sparse        the payload is k increasing indices, then k values (top-k): validators check
 //                 every index, decoders write zeros and scatter the values
 //   all_gathered  an all-reduce all-gathers every rank's message of the whole bucket and each rank
 //                 decode-adds them, instead of the two-phase exchange (top-k; the bucket reduction

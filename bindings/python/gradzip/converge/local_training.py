@@ -48,12 +48,12 @@ def train_local(cfg: RunConfig, out: Path, data: tuple[dict, dict], device: torc
     replicas = [make_model(cfg, device) for _ in range(cfg.workers)]  # the same seeded weights
     params = [[p for p in m.parameters() if p.requires_grad] for m in replicas]
     opts = [make_optimizer(cfg, m) for m in replicas]
-    codec = baseline_or_codec(cfg.codec, cfg.error_feedback)
+    # the per-step runs' rule: the fp32 baseline's outer gradient is a plain fp32 all-reduce
     outer = SimulatedLocalSteps(params, cfg.codec, sync_every=cfg.local_steps,
                                 outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum,
-                                nesterov=cfg.outer_momentum > 0,
-                                error_feedback=codec["error_feedback"], cast_sum=cfg.cast_sum,
-                                bucket_cap_mb=cfg.bucket_cap_mb)
+                                nesterov=cfg.outer_momentum > 0, cast_sum=cfg.cast_sum,
+                                bucket_cap_mb=cfg.bucket_cap_mb,
+                                **baseline_or_codec(cfg.codec, cfg.error_feedback))
     raw_bytes = fp32_step_bytes([p.numel() for p in params[0]], cfg.workers, cfg.bucket_cap_mb)
 
     def restore(state):

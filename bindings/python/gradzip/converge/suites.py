@@ -27,9 +27,14 @@ REFRESH_INT8_2 = dict(REFRESH_INT8_4, refreshes_per_doubling=2)
 WHOLE_RUN = (("fp32", False), ("sign", True, REFRESH_INT8_4), ("sign", True, REFRESH_INT8_2),
              ("topk:0.01:values=fp16", True, REFRESH_INT8_4),
              ("topk:0.01:values=fp16", True, REFRESH_INT8_2))
-# The same on the language model, beside the recipe's 60 fp32 steps.
+# The same on the language model, beside the recipe's 60 fp32 steps; and, to tell its two
+# suspects apart, the schedule with exact fp32 steps instead of int8 ones (int8's rounding) and
+# with 20 warm-up steps instead of 4 (a variance from too few gradients).
+REFRESH_FP32_4 = {k: v for k, v in REFRESH_INT8_4.items() if k != "warmup_codec"}
+REFRESH_INT8_4_W20 = dict(REFRESH_INT8_4, compress_warmup=20)
 LM_WHOLE_RUN = (("fp32", False), ("sign", True), ("sign", True, REFRESH_INT8_4),
-                ("sign", True, REFRESH_INT8_2))
+                ("sign", True, REFRESH_INT8_2), ("sign", True, REFRESH_FP32_4),
+                ("sign", True, REFRESH_INT8_4_W20))
 RECIPES = (("fp32", False), ("sign", True, FROZEN), ("sign", False, FROZEN),
            ("topk:0.01:values=fp16", True, FROZEN), ("topk:0.01:values=fp16", False, FROZEN),
            ("sign", True, FROZEN_BF16), ("topk:0.01:values=fp16", True, FROZEN_BF16))

@@ -104,10 +104,6 @@ std::vector<Piece> pieces_within(const std::vector<Piece>& pieces, int64_t a, in
 
 }  // namespace
 
-bool is_collective(Step step) {
-  return step == Step::allreduce_payload || step == Step::alltoall || step == Step::allgather;
-}
-
 CastSum parse_cast_sum(const std::string& name) {
   if (name == "wire") return CastSum::wire;
   TORCH_CHECK_VALUE(name == "fp32", "gradzip: cast_sum must be 'wire' or 'fp32', got '", name, "'");
@@ -254,10 +250,7 @@ std::pair<int64_t, int64_t> BucketLayout::traffic(Step step, int64_t rank) const
     }
     case Step::allgather:
       return {(world - 1) * slot, (world - 1) * slot};
-    case Step::encode:
-    case Step::reduce_owner:
-    case Step::decode:
-    case Step::sum_shard:
+    default:
       break;
   }
   return {0, 0};  // a phase: computed at home
@@ -297,9 +290,11 @@ BucketReduction::BucketReduction(const Codec& codec, int64_t world, int64_t rank
 
 BucketReduction::BucketReduction(const Codec& codec, BucketLayout layout, int64_t rank,
                                  const at::TensorOptions& device)
-    : codec_(codec), layout_(std::move(layout)), rank_(rank), device_(device.device()) {
+    : Reduction(layout.world, rank),
+      codec_(codec),
+      layout_(std::move(layout)),
+      device_(device.device()) {
   const int64_t w = layout_.world;
-  TORCH_CHECK_VALUE(rank >= 0 && rank < w, "gradzip: rank ", rank, " outside [0, ", w, ")");
   const auto bytes = device.dtype(at::kByte);
   const bool allreduce = layout_.collective == Collective::allreduce;
   if (layout_.two_phase) {
@@ -416,12 +411,22 @@ void BucketReduction::compute(Step step, const Operands& operands) {
     case Step::sum_shard:
       sum_shard(operands.out);
       return;
-    case Step::allreduce_payload:
-    case Step::alltoall:
-    case Step::allgather:
+    default:
       break;
   }
-  TORCH_CHECK(false, "gradzip: a collective is the driver's to run, not a phase to compute");
+  TORCH_CHECK(false, "gradzip: ", step_name(step), " is no phase of a ", codec_.name(),
+              " reduction");
+}
+
+at::Tensor BucketReduction::summed(Step step, const Operands&) const {
+  TORCH_CHECK(step == Step::allreduce_payload && payload.defined(), "gradzip: ", step_name(step),
+              " sums no buffer of a ", codec_.name(), " reduction");
+  return payload;
+}
+
+bool BucketReduction::same_layout(const Reduction& other) const {
+  const auto* peer = dynamic_cast<const BucketReduction*>(&other);
+  return peer != nullptr && peer->codec_ == codec_ && peer->layout_ == layout_;
 }
 
 void BucketReduction::encode(const at::Tensor& x, const at::Tensor& residual) {
@@ -444,19 +449,19 @@ void BucketReduction::sum_received(const at::Tensor& window) {
 
 void BucketReduction::sum_shard(const at::Tensor& out) {
   TORCH_CHECK(layout_.two_phase, "gradzip: sum_shard is a phase of the sharded collectives");
-  check_float("shard output", out, layout_.shard_size(rank_));
-  sum_received(out.narrow(0, layout_.offsets[rank_], layout_.window(rank_)));
+  check_float("shard output", out, layout_.shard_size(rank()));
+  sum_received(out.narrow(0, layout_.offsets[rank()], layout_.window(rank())));
 }
 
 void BucketReduction::reduce_owner(const at::Tensor& owner_residual) {
   TORCH_CHECK(layout_.two_phase && layout_.collective == Collective::allreduce,
               "gradzip: reduce_owner is a phase of the two-phase all-reduce");
   if (owner_residual.defined())
-    check_float("owner residual", owner_residual, layout_.shard_size(rank_));
+    check_float("owner residual", owner_residual, layout_.shard_size(rank()));
   sum_received(accumulator_);
   encode_all(owner_, accumulator_.const_data_ptr<float>(),
              owner_residual.defined()
-                 ? owner_residual.data_ptr<float>() + layout_.offsets[rank_]
+                 ? owner_residual.data_ptr<float>() + layout_.offsets[rank()]
                  : nullptr,
              gather_in.data_ptr<uint8_t>(), 1.0f);
 }

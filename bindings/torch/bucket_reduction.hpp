@@ -3,7 +3,8 @@
 // in one process (in_memory_exchange.hpp, behind gradzip.simulation.SimulatedWorkers) run exactly
 // the same arithmetic on the same bytes. The order of the phases and collectives, the sequences
 // below, is written once, as data (BucketLayout::steps, a list of Step), which each of those two
-// drivers interprets: the phases through BucketReduction::compute, the collectives its own way.
+// drivers interprets (a Reduction, reduction.hpp): the phases through BucketReduction::compute, the
+// collectives its own way.
 // The bytes a rank moves are that list's too (BucketLayout::traffic, per collective step), which the
 // reductions report (CompressedAllreduce::traffic, BucketReduction's torch class) for the traffic
 // counters.
@@ -88,21 +89,11 @@
 #include <vector>
 
 #include "gradzip/gradzip.hpp"
+#include "reduction.hpp"
 
 namespace gradzip::torch_ext {
 
 constexpr int64_t kMinPiece = 64;
-
-// What the collective leaves on each rank: the average of the whole bucket, or its shard of the sum.
-enum class Collective { allreduce, reduce_scatter };
-
-// Where the casts' (fp32, fp16, bf16) all-reduce sums: in the wire dtype, by the backend's one
-// all-reduce, or in fp32 in rank order by the two-phase exchange; top-k's: every rank sums the W
-// all-gathered messages (wire), or the two-phase exchange with the owner's top-k of the sum (fp32).
-// int8 and sign always take the two-phase exchange; the reduce-scatter always sums in fp32.
-enum class CastSum { wire, fp32 };
-// "wire" or "fp32"; anything else is a ValueError.
-CastSum parse_cast_sum(const std::string& name);
 
 // One message of a shard: `len` elements, encoded with the bucket's codec or (exact) as fp32.
 struct Piece {
@@ -111,14 +102,6 @@ struct Piece {
 
   bool operator==(const Piece&) const = default;
 };
-
-// The steps of one rank's reduction: the phases it computes alone (encode, reduce_owner, decode,
-// sum_shard) and the collectives between them, which exchange BucketReduction's buffers:
-//   allreduce_payload  payload summed in place (SUM, the wire dtype);
-//   alltoall           send -> recv, send_splits / recv_splits bytes per rank;
-//   allgather          gather_in -> gathered, the W slots in rank order.
-enum class Step { encode, allreduce_payload, alltoall, reduce_owner, allgather, decode, sum_shard };
-bool is_collective(Step step);
 
 // Where the bytes go: a pure function of the codec, W, n, the tensor sizes and which of them
 // travel exact (`exact`: one flag per tensor, or empty for none).
@@ -145,7 +128,7 @@ struct BucketLayout {
   int64_t slot = 0;                          // bytes of one all-gather contribution (all-reduce),
                                              // or of the one message (wire_sum)
   int64_t summed_bytes = 0;                  // wire_sum: the payload's, all-reduced (no header)
-  std::vector<Step> steps;                   // the order of the reduction, from the list above
+  std::vector<Step> steps;                   // the order of the reduction (reduction.hpp's Step)
 
   bool operator==(const BucketLayout&) const = default;
 
@@ -177,16 +160,7 @@ int64_t ring_allreduce_traffic(int64_t bytes, int64_t world);
 // Bytes each way of a ring all-reduce of n floats over W ranks, the uncompressed reference.
 int64_t fp32_traffic(int64_t n, int64_t world);
 
-// What one rank's phases read and write: `x` (n floats: the bucket, or W shards for the
-// reduce-scatter), `residual` (n floats, or undefined: no error feedback), `owner_residual` (this
-// rank's shard, or undefined), `out` (decode's n floats, may be x; sum_shard's shard), and
-// encode's prescale (unset: 1 / W, the average).
-struct Operands {
-  at::Tensor x, residual, owner_residual, out;
-  std::optional<float> prescale;
-};
-
-class BucketReduction {
+class BucketReduction : public Reduction {
  public:
   BucketReduction(const Codec& codec, int64_t world, int64_t rank,
                   const std::vector<int64_t>& numels, const at::TensorOptions& device,
@@ -199,11 +173,15 @@ class BucketReduction {
   const BucketLayout& layout() const { return layout_; }
   bool two_phase() const { return layout_.two_phase; }
   bool wire_sum() const { return layout_.wire_sum; }
-  int64_t rank() const { return rank_; }
   const Codec& codec() const { return codec_; }
 
-  // Runs one phase (a step that is no collective) on `operands`.
-  void compute(Step step, const Operands& operands);
+  std::string name() const override { return codec_.name(); }
+  const std::vector<Step>& steps() const override { return layout_.steps; }
+  void compute(Step step, const Operands& operands) override;
+  // payload, the one all-reduced buffer.
+  at::Tensor summed(Step step, const Operands& operands) const override;
+  std::pair<int64_t, int64_t> traffic() const override { return layout_.traffic(rank()); }
+  bool same_layout(const Reduction& other) const override;
 
   // x: this rank's float32 bucket (n, contiguous). residual: n floats, or undefined (no error
   // feedback). Encodes x * prescale (the all-reduce averages: 1 / W); the residual is in those units.
@@ -217,15 +195,11 @@ class BucketReduction {
   // out: n floats (may be x). All-reduce only.
   void decode(const at::Tensor& out);
 
-  // The exchanged buffers (uint8). Two-phase: all-to-all send -> recv with the splits below, then
-  // all-gather gather_in -> gathered. Top-k: only the all-gather. Reduce-scatter: only the all-to-all.
+  // The exchanged buffers (Reduction's). Two-phase: all-to-all send -> recv, then all-gather
+  // gather_in -> gathered. Top-k: only the all-gather. Reduce-scatter: only the all-to-all.
   // wire_sum: the in-place all-reduce (SUM) of payload, the float16/bfloat16 values of gather_in.
-  at::Tensor send, recv, gather_in, gathered, payload;
-  std::vector<int64_t> send_splits, recv_splits;
-  // CUDA: one 16-byte status word per decoded message of the last step (sum_shard's, then
-  // decode's: gradzip::cuda::decode_batch's status words); undefined on the CPU, where a corrupt
-  // message throws at once.
-  at::Tensor decode_status;
+  // decode_status: sum_shard's status words, then decode's.
+  at::Tensor payload;
 
  private:
   // One message of a phase, as offsets into the phase's buffers (which, but for the workspaces,
@@ -251,7 +225,6 @@ class BucketReduction {
 
   Codec codec_;
   BucketLayout layout_;
-  int64_t rank_;
   c10::Device device_;
   // encode: x into send (two-phase) or gather_in; sum_: recv into this rank's window (W per piece
   // of it); owner_: the window's sum into gather_in; decode: gathered (gather_in for wire_sum) into

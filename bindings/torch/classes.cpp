@@ -5,19 +5,18 @@
 //                                                    name (and that one for the two-phase
 //                                                    all-gathers), CPU buckets in chunks of
 //                                                    `chunk` elements
-//   BucketReduction(codec, world, rank, numels, like, cast_sum="wire", exact=[])   one rank's
-//                                                    phases and buffers; W of them reduced by
-//   gradzip::reduce_in_memory(ranks, xs, residuals, owner_residuals, outs)   the collectives done
-//                                                    in memory (in_memory_exchange.hpp)
-//   LowRankReduction(rank, world, numels, rows, like)   one rank's phases of lowrank:R; W of
-//                                                    them reduced by
-//   gradzip::reduce_lowrank_in_memory(ranks, xs, residuals, qs)   the all-reduces done in memory
+//   BucketReduction(codec, world, rank, numels, like, cast_sum="wire", exact=[], rows=[])
+//                                                    one rank's phases and buffers (a codec's,
+//                                                    or lowrank:R's: reduction.hpp); W of them
+//                                                    reduced by
+//   gradzip::reduce_in_memory(ranks, xs, residuals, owner_residuals, qs, outs)   the collectives
+//                                                    done in memory (in_memory_exchange.hpp)
 //   NonfiniteGuard()
 // and the layout's sizes as ops (gradzip::fp32_traffic, shard_starts, lowrank_sizes;
 // lowrank_rank_of parses a lowrank spec: its R, or 0 for another codec; wire_constants and
 // codec_facts: the constants and the codecs' facts gradzip/wire.py restates). Each reduction
 // reports the bytes of what it lays out: traffic() -> (sent, received), of a bucket index's last
-// reduction for CompressedAllreduce, of its rank for BucketReduction and LowRankReduction.
+// reduction for CompressedAllreduce, of its rank for BucketReduction.
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -30,7 +29,9 @@
 
 #include "compressed_allreduce.hpp"
 #include "device_codec.hpp"
+#include "bucket_reduction.hpp"
 #include "in_memory_exchange.hpp"
+#include "lowrank_reduction.hpp"
 
 namespace gradzip::torch_ext {
 namespace {
@@ -40,64 +41,45 @@ at::Tensor or_undefined(const std::optional<at::Tensor>& t) { return t.value_or(
 // TorchScript's bool[] (c10::List<bool>; its binder takes no std::vector<bool>).
 std::vector<bool> flags(const c10::List<bool>& list) { return {list.begin(), list.end()}; }
 
-Codec parse_spec(const std::string& spec) {
-  return guarded("compressed_allreduce", [&] { return Codec::parse(spec); });
-}
-
-// One rank's reduction; its buffers are readable for tests of the bytes.
+// One rank's reduction, whichever the codec; its buffers are readable for tests of the bytes.
 class PyBucketReduction : public torch::CustomClassHolder {
  public:
   PyBucketReduction(const std::string& spec, int64_t world, int64_t rank,
                     const std::vector<int64_t>& numels, const at::Tensor& like,
-                    const std::string& cast_sum, const c10::List<bool>& exact)
-      : r(parse_spec(spec), world, rank, numels, like.options(), Collective::allreduce,
-          parse_cast_sum(cast_sum), flags(exact)) {}
-  BucketReduction r;
-};
-
-class PyLowRankReduction : public torch::CustomClassHolder {
- public:
-  PyLowRankReduction(int64_t rank, int64_t world, const std::vector<int64_t>& numels,
-                     const std::vector<int64_t>& rows, const at::Tensor& like)
-      : r(rank, world, numels, rows, like.options()) {}
-  LowRankReduction r;
+                    const std::string& cast_sum, const c10::List<bool>& exact,
+                    const std::vector<int64_t>& rows)
+      : r(ReductionSpec(spec)
+              .make(world, rank, numels, rows, flags(exact), like.options(), Collective::allreduce,
+                    parse_cast_sum(cast_sum))
+              .parts[0]) {}
+  // The codec's reduction (a ValueError for lowrank's), for its phases and layout.
+  BucketReduction& codec_reduction() const {
+    auto* b = dynamic_cast<BucketReduction*>(r.get());
+    TORCH_CHECK_VALUE(b, "gradzip: a ", r->name(), " reduction has no codec phases");
+    return *b;
+  }
+  std::shared_ptr<Reduction> r;
 };
 
 void reduce_in_memory_op(const c10::List<c10::intrusive_ptr<PyBucketReduction>>& ranks,
                          const std::vector<at::Tensor>& xs,
                          const c10::List<std::optional<at::Tensor>>& residuals,
                          const c10::List<std::optional<at::Tensor>>& owner_residuals,
+                         const c10::List<std::optional<at::Tensor>>& qs,
                          const std::vector<at::Tensor>& outs) {
   const size_t world = ranks.size();
   TORCH_CHECK_VALUE(xs.size() == world && residuals.size() == world &&
-                        owner_residuals.size() == world && outs.size() == world,
-                    "gradzip: reduce_in_memory needs one x, residual, owner residual and output "
+                        owner_residuals.size() == world && qs.size() == world &&
+                        outs.size() == world,
+                    "gradzip: reduce_in_memory needs one x, residual, owner residual, q and output "
                     "per rank, for ", world, " ranks got ", xs.size(), ", ", residuals.size(), ", ",
-                    owner_residuals.size(), " and ", outs.size());
-  std::vector<BucketReduction*> reductions;
+                    owner_residuals.size(), ", ", qs.size(), " and ", outs.size());
+  std::vector<Reduction*> reductions;
   std::vector<Operands> operands;
   for (size_t r = 0; r < world; ++r) {
-    reductions.push_back(&ranks.get(r)->r);
+    reductions.push_back(ranks.get(r)->r.get());
     operands.push_back({xs[r], or_undefined(residuals.get(r)), or_undefined(owner_residuals.get(r)),
-                        outs[r], std::nullopt});
-  }
-  const at::NoGradGuard no_grad;
-  reduce_in_memory(reductions, operands);
-}
-
-void reduce_lowrank_in_memory_op(const c10::List<c10::intrusive_ptr<PyLowRankReduction>>& ranks,
-                                 const std::vector<at::Tensor>& xs,
-                                 const c10::List<std::optional<at::Tensor>>& residuals,
-                                 const std::vector<at::Tensor>& qs) {
-  const size_t world = ranks.size();
-  TORCH_CHECK_VALUE(xs.size() == world && residuals.size() == world && qs.size() == world,
-                    "gradzip: reduce_lowrank_in_memory needs one x, residual and q per rank, for ",
-                    world, " ranks got ", xs.size(), ", ", residuals.size(), " and ", qs.size());
-  std::vector<LowRankReduction*> reductions;
-  std::vector<LowRankOperands> operands;
-  for (size_t r = 0; r < world; ++r) {
-    reductions.push_back(&ranks.get(r)->r);
-    operands.push_back({xs[r], or_undefined(residuals.get(r)), qs[r]});
+                        outs[r], or_undefined(qs.get(r)), std::nullopt});
   }
   const at::NoGradGuard no_grad;
   reduce_in_memory(reductions, operands);
@@ -181,10 +163,16 @@ TORCH_LIBRARY_FRAGMENT(gradzip, m) {
               const at::Tensor& bucket, const at::Tensor& x, const std::vector<int64_t>& numels,
               const std::optional<at::Tensor>& residual,
               const std::optional<at::Tensor>& owner_residual, bool compress,
-              const c10::List<bool>& exact) -> c10::IValue {
+              const c10::List<bool>& exact, const std::vector<int64_t>& rows,
+              const std::optional<at::Tensor>& q) -> c10::IValue {
              return self->reduce(index, bucket, x, numels, or_undefined(residual),
-                                 or_undefined(owner_residual), compress, flags(exact));
-           })
+                                 or_undefined(owner_residual), compress, flags(exact), rows,
+                                 or_undefined(q));
+           },
+           "", {torch::arg("index"), torch::arg("bucket"), torch::arg("x"), torch::arg("numels"),
+                torch::arg("residual"), torch::arg("owner_residual"), torch::arg("compress"),
+                torch::arg("exact") = c10::List<bool>(),
+                torch::arg("rows") = std::vector<int64_t>(), torch::arg("q") = std::nullopt})
       .def("reduce_scatter",
            [](const c10::intrusive_ptr<CompressedAllreduce>& self, int64_t index,
               const at::Tensor& output, const at::Tensor& x, const std::vector<int64_t>& numels,
@@ -192,13 +180,6 @@ TORCH_LIBRARY_FRAGMENT(gradzip, m) {
               const c10::List<bool>& exact) -> c10::IValue {
              return self->reduce_scatter(index, output, x, numels, or_undefined(residual), prescale,
                                          flags(exact));
-           })
-      .def("reduce_lowrank",
-           [](const c10::intrusive_ptr<CompressedAllreduce>& self, int64_t index,
-              const at::Tensor& bucket, const at::Tensor& x, const std::vector<int64_t>& numels,
-              const std::vector<int64_t>& rows, const std::optional<at::Tensor>& residual,
-              const at::Tensor& q) -> c10::IValue {
-             return self->reduce_lowrank(index, bucket, x, numels, rows, or_undefined(residual), q);
            })
       .def("check_errors", &CompressedAllreduce::check_errors)
       .def("set_timeline", &CompressedAllreduce::set_timeline)
@@ -216,38 +197,34 @@ TORCH_LIBRARY_FRAGMENT(gradzip, m) {
         return sent_received(self->traffic(index));
       });
 
-  m.class_<PyLowRankReduction>("LowRankReduction")
-      .def(torch::init<int64_t, int64_t, std::vector<int64_t>, std::vector<int64_t>, at::Tensor>(),
-           "", {torch::arg("rank"), torch::arg("world"), torch::arg("numels"), torch::arg("rows"),
-                torch::arg("like")})
-      .def("traffic", [](const c10::intrusive_ptr<PyLowRankReduction>& s) {
-        return sent_received(s->r.traffic());
-      });
-
   m.class_<PyBucketReduction>("BucketReduction")
       .def(torch::init<std::string, int64_t, int64_t, std::vector<int64_t>, at::Tensor, std::string,
-                       c10::List<bool>>(),
+                       c10::List<bool>, std::vector<int64_t>>(),
            "", {torch::arg("spec"), torch::arg("world"), torch::arg("rank"), torch::arg("numels"),
                 torch::arg("like"), torch::arg("cast_sum") = "wire",
-                torch::arg("exact") = c10::List<bool>()})
-      .def("two_phase", [](const c10::intrusive_ptr<PyBucketReduction>& s) { return s->r.two_phase(); })
-      .def("wire_sum", [](const c10::intrusive_ptr<PyBucketReduction>& s) { return s->r.wire_sum(); })
+                torch::arg("exact") = c10::List<bool>(), torch::arg("rows") = std::vector<int64_t>()})
+      .def("two_phase", [](const c10::intrusive_ptr<PyBucketReduction>& s) {
+        return s->codec_reduction().two_phase();
+      })
+      .def("wire_sum", [](const c10::intrusive_ptr<PyBucketReduction>& s) {
+        return s->codec_reduction().wire_sum();
+      })
       .def("encode",
            [](const c10::intrusive_ptr<PyBucketReduction>& s, const at::Tensor& x,
-              const std::optional<at::Tensor>& residual) { s->r.encode(x, or_undefined(residual)); })
-      .def("send", [](const c10::intrusive_ptr<PyBucketReduction>& s) { return s->r.send; })
-      .def("send_splits", [](const c10::intrusive_ptr<PyBucketReduction>& s) { return s->r.send_splits; })
-      .def("gather_in", [](const c10::intrusive_ptr<PyBucketReduction>& s) { return s->r.gather_in; })
+              const std::optional<at::Tensor>& residual) {
+             s->codec_reduction().encode(x, or_undefined(residual));
+           })
+      .def("send", [](const c10::intrusive_ptr<PyBucketReduction>& s) { return s->r->send; })
+      .def("send_splits", [](const c10::intrusive_ptr<PyBucketReduction>& s) { return s->r->send_splits; })
+      .def("gather_in", [](const c10::intrusive_ptr<PyBucketReduction>& s) { return s->r->gather_in; })
       .def("traffic", [](const c10::intrusive_ptr<PyBucketReduction>& s) {
-        return sent_received(s->r.layout().traffic(s->r.rank()));
+        return sent_received(s->r->traffic());
       });
 
   m.def("reduce_in_memory(__torch__.torch.classes.gradzip.BucketReduction[] ranks, Tensor[] xs, "
-        "Tensor(a!)?[] residuals, Tensor(b!)?[] owner_residuals, Tensor(c!)[] outs) -> ()",
+        "Tensor(a!)?[] residuals, Tensor(b!)?[] owner_residuals, Tensor(c!)?[] qs, "
+        "Tensor(d!)[] outs) -> ()",
         &reduce_in_memory_op);
-  m.def("reduce_lowrank_in_memory(__torch__.torch.classes.gradzip.LowRankReduction[] ranks, "
-        "Tensor(a!)[] xs, Tensor(b!)?[] residuals, Tensor(c!)[] qs) -> ()",
-        &reduce_lowrank_in_memory_op);
   m.def("fp32_traffic(int n, int world) -> int", &fp32_traffic);
   m.def("shard_starts(int n, int world) -> int[]", &shard_starts);
   m.def("lowrank_sizes(int rank, int[] numels, int[] rows) -> int[]", &lowrank_sizes_op);

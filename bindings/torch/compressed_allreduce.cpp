@@ -7,6 +7,7 @@
 #include <limits>
 #include <numeric>
 
+#include "bucket_reduction.hpp"
 #include "device_codec.hpp"
 
 #if defined(GRADZIP_TORCH_CUDA)
@@ -24,10 +25,7 @@ CompressedAllreduce::CompressedAllreduce(c10::intrusive_ptr<c10d::ProcessGroup> 
                                          int64_t chunk)
     : group_(std::move(group)),
       gather_group_(std::move(gather_group)),
-      lowrank_(parse_lowrank(codec)),
-      codec_(lowrank_ ? std::nullopt : std::optional<Codec>(guarded("compressed_allreduce", [&] {
-        return Codec::parse(codec);
-      }))),
+      spec_(codec),
       guard_(std::move(guard)),
       cast_sum_(cast_sum),
       chunk_(chunk) {
@@ -80,29 +78,21 @@ void CompressedAllreduce::serve(const std::shared_ptr<Queue>& queue) {
   if (queue->next) stop(queue->next);
 }
 
-const Codec& CompressedAllreduce::codec() const {
-  TORCH_CHECK_VALUE(codec_, "gradzip: a lowrank:", lowrank_.value_or(0),
-                    " reduction compresses with reduce_lowrank, not reduce / reduce_scatter");
-  return *codec_;
-}
-
-const CompressedAllreduce::Cached& CompressedAllreduce::bucket_reductions(
-    int64_t index, const std::vector<int64_t>& numels, const std::vector<bool>& exact,
-    const at::Tensor& x, Collective collective) {
+const ReductionParts& CompressedAllreduce::bucket_reductions(int64_t index,
+                                                            const std::vector<int64_t>& numels,
+                                                            const std::vector<int64_t>& rows,
+                                                            const std::vector<bool>& exact,
+                                                            const at::Tensor& x,
+                                                            Collective collective) {
   auto& cached = buckets_[index];
-  if (!cached.parts.empty() && cached.numels == numels && cached.exact == exact &&
-      cached.parts[0]->layout().collective == collective &&
-      cached.parts[0]->gathered.device() == x.device())
-    return cached;
-  const BucketLayout whole(codec(), world(), numels, collective, cast_sum_, exact);
+  if (!cached.reduction.parts.empty() && cached.numels == numels && cached.rows == rows &&
+      cached.exact == exact && cached.collective == collective && cached.device == x.device())
+    return cached.reduction;
   // CUDA: one piece (compressed_allreduce.hpp).
-  const std::vector<BucketLayout> layouts =
-      x.is_cuda() ? std::vector<BucketLayout>{whole} : whole.chunks(codec(), chunk_);
-  Parts parts;
-  for (const BucketLayout& layout : layouts)
-    parts.push_back(std::make_shared<BucketReduction>(codec(), layout, rank(), x.options()));
-  cached = {numels, exact, std::move(parts), whole.traffic(rank())};
-  return cached;
+  cached = {numels, rows, exact, collective, x.device(),
+            spec_.make(world(), rank(), numels, rows, exact, x.options(), collective, cast_sum_,
+                       x.is_cuda() ? 0 : chunk_)};
+  return cached.reduction;
 }
 
 namespace {
@@ -118,7 +108,7 @@ Finish allreduce_average(c10d::ProcessGroup& group, const at::Tensor& x) {
 
 // One chunk of a bucket's reduction with its tensors, and where it stands on the timeline.
 struct Part {
-  std::shared_ptr<BucketReduction> reduction;
+  std::shared_ptr<Reduction> reduction;
   Operands operands;
   int64_t bucket = 0, index = 0;
 };
@@ -134,14 +124,12 @@ struct Started {
 Started begin(c10d::ProcessGroup& group, Step step, const Part& part, Timeline* timeline) {
   TORCH_CHECK(is_collective(step), "gradzip: a phase is no collective to issue");
   const double t = timeline ? timeline->now_ms() : 0;
-  BucketReduction& r = *part.reduction;
-  if (step == Step::allreduce_payload) {
-    std::vector<at::Tensor> payload{r.payload};  // SUM in the wire dtype, in place
-    return {group.allreduce(payload), step, t};
-  }
+  Reduction& r = *part.reduction;
   if (step == Step::alltoall)
     return {group.alltoall_base(r.recv, r.send, r.recv_splits, r.send_splits), step, t};
-  return {group._allgather_base(r.gathered, r.gather_in), step, t};
+  if (step == Step::allgather) return {group._allgather_base(r.gathered, r.gather_in), step, t};
+  std::vector<at::Tensor> summed{r.summed(step, part.operands)};  // SUM in its dtype, in place
+  return {group.allreduce(summed), step, t};
 }
 
 // Waits for a started collective of `part`, on `thread`.
@@ -158,7 +146,7 @@ void compute(Step step, const Part& part, Timeline* timeline, const char* thread
   if (timeline) timeline->add({part.bucket, part.index, step, thread, t, timeline->now_ms()});
 }
 
-// Runs the layout's steps (the same for every part) on this rank: each part's phases up to and
+// Runs the reduction's steps (the same for every part) on this rank: each part's phases up to and
 // including the start of its first collective, part after part, so that a chunk is encoded while
 // the previous one travels; the returned Finish waits for those and runs the rest of each part in
 // the same order, one part behind: part i's phases up to the start of its next collective, then
@@ -166,13 +154,14 @@ void compute(Step step, const Part& part, Timeline* timeline, const char* thread
 // and part i - 1 is decoded while part i's all-gather travels). The first collective goes on
 // `group`, a later all-gather on `gather_group` when there is one (so that it overlaps the next
 // bucket's first collective); a later collective left on `group` must be issued in call order,
-// so then the rest runs here at once (empty Finish). Every rank issues the same collectives in
-// the same order: the order depends on the number of parts only. `timeline`: where to record
-// every step, or null.
+// so then the rest runs here up to the start of the last part's last collective (lowrank's second
+// all-reduce), and the Finish waits for that and runs what follows it. Every rank issues the same
+// collectives in the same order: the order depends on the number of parts only. `timeline`: where
+// to record every step, or null.
 Finish start(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
              const c10::intrusive_ptr<c10d::ProcessGroup>& gather_group,
              const std::vector<Part>& parts, const std::shared_ptr<Timeline>& timeline) {
-  const std::vector<Step>& steps = parts[0].reduction->layout().steps;
+  const std::vector<Step>& steps = parts[0].reduction->steps();
   const auto first = std::find_if(steps.begin(), steps.end(), is_collective);
   TORCH_CHECK(first != steps.end(), "gradzip: a reduction without a collective");
   std::vector<Started> firsts;
@@ -188,8 +177,9 @@ Finish start(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
   const bool in_call_order = std::any_of(rest.begin(), rest.end(), [&](Step step) {
     return is_collective(step) && later_group(step) == group;
   });
-  const char* thread = in_call_order ? "issue" : "finish";
-  Finish finish = [parts, firsts, rest, later_group, timeline, thread] {
+  // Runs the rest on `thread`; with `hold`, returns the wait for the last part's last collective
+  // and the phases after it, left for the finishing thread.
+  auto run = [parts, firsts, rest, later_group, timeline](const char* thread, bool hold) -> Finish {
     Timeline* const t = timeline.get();
     // A part between two of its steps: rest[next] is the next to run, once `started` completes.
     struct Pending {
@@ -222,11 +212,20 @@ Finish start(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
       if (behind) catch_up(*behind);
       behind = now;
     }
-    if (behind) catch_up(*behind);
+    if (!behind) return {};
+    const std::vector<Step> tail(rest.begin() + static_cast<std::ptrdiff_t>(behind->next),
+                                 rest.end());
+    if (!hold || std::any_of(tail.begin(), tail.end(), is_collective)) {
+      catch_up(*behind);
+      return {};
+    }
+    return [part = parts[behind->part], started = behind->started, tail, timeline] {
+      complete(started, part, timeline.get(), "finish");
+      for (const Step step : tail) compute(step, part, timeline.get(), "finish");
+    };
   };
-  if (!in_call_order) return finish;
-  finish();
-  return {};
+  if (in_call_order) return run("issue", true);
+  return [run] { run("finish", false); };
 }
 
 }  // namespace
@@ -234,7 +233,8 @@ Finish start(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
 c10::intrusive_ptr<c10::ivalue::Future> CompressedAllreduce::reduce(
     int64_t index, const at::Tensor& bucket, const at::Tensor& x,
     const std::vector<int64_t>& numels, const at::Tensor& residual,
-    const at::Tensor& owner_residual, bool compress, const std::vector<bool>& exact) {
+    const at::Tensor& owner_residual, bool compress, const std::vector<bool>& exact,
+    const std::vector<int64_t>& rows, const at::Tensor& q) {
   TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat || !compress,
                    "gradzip: the values to compress must be float32");
   TORCH_CHECK_VALUE(x.is_contiguous() && bucket.numel() == x.numel() &&
@@ -245,77 +245,36 @@ c10::intrusive_ptr<c10::ivalue::Future> CompressedAllreduce::reduce(
                                      x.numel(),
                     "gradzip: the sizes of the bucket's tensors do not add up to its ", x.numel(),
                     " elements");
-  const Cached* cached =
-      compress ? &bucket_reductions(index, numels, exact, x, Collective::allreduce) : nullptr;
-  const Parts parts = cached ? cached->parts : Parts{};
-  const std::shared_ptr<BucketReduction> r = compress ? parts[0] : nullptr;
-  TORCH_CHECK_VALUE(!owner_residual.defined() || !r || !r->wire_sum(),
-                    "gradzip: an owner residual needs the two-phase sum; ", codec().name(),
-                    " buckets are summed by one all-reduce in the wire dtype (cast_sum 'fp32' "
-                    "keeps the two-phase sum)");
+  const ReductionParts* reduction =
+      compress ? &bucket_reductions(index, numels, rows, exact, x, Collective::allreduce) : nullptr;
+  const Parts parts = reduction ? reduction->parts : Parts{};
+  if (owner_residual.defined() && !parts.empty()) {
+    const std::vector<Step>& steps = parts[0]->steps();
+    TORCH_CHECK_VALUE(std::find(steps.begin(), steps.end(), Step::reduce_owner) != steps.end(),
+                      "gradzip: an owner residual needs the two-phase sum; ", spec_.name(),
+                      " buckets are summed without it (cast_sum 'fp32' keeps the two-phase sum)");
+  }
   // Every chunk reads and writes its own elements of the same tensors.
   std::vector<Part> chunks;
   for (const auto& part : parts)
-    chunks.push_back({part, {x, residual, owner_residual, x, std::nullopt}, index,
+    chunks.push_back({part, {x, residual, owner_residual, x, q, std::nullopt}, index,
                       static_cast<int64_t>(chunks.size())});
   // Uncompressed: counted as the fp32 ring all-reduce whatever x's dtype, as the reference is.
   const int64_t fp32 = fp32_traffic(x.numel(), world());
-  traffic_[index] = cached ? cached->traffic : std::pair{fp32, fp32};
+  traffic_[index] = reduction ? reduction->traffic : std::pair{fp32, fp32};
   const bool copy_back = !bucket.is_same(x);
   // The gather group is used on the CPU only: on CUDA everything is enqueued in call order.
   auto gather = x.is_cuda() ? c10::intrusive_ptr<c10d::ProcessGroup>() : gather_group_;
   return launch(index, bucket, parts, [group = group_, gather, guard = guard_, chunks, bucket, x,
-                                   residual, owner_residual, copy_back,
+                                   residual, owner_residual, q, copy_back,
                                    timeline = timeline_]() -> Finish {
-    if (guard && !chunks.empty()) guard->save({residual, owner_residual});
+    if (guard && !chunks.empty()) guard->save({residual, owner_residual, q});
     Finish rest = !chunks.empty() ? start(group, gather, chunks, timeline)
                                   : allreduce_average(*group, x);
     return [rest, guard, bucket, x, copy_back] {
       if (rest) rest();
       if (guard) guard->flag(x);
       if (copy_back) bucket.copy_(x);
-    };
-  });
-}
-
-c10::intrusive_ptr<c10::ivalue::Future> CompressedAllreduce::reduce_lowrank(
-    int64_t index, const at::Tensor& bucket, const at::Tensor& x, const std::vector<int64_t>& numels,
-    const std::vector<int64_t>& rows, const at::Tensor& residual, const at::Tensor& q) {
-  TORCH_CHECK_VALUE(lowrank_, "gradzip: reduce_lowrank needs a lowrank:R reduction, this one is ",
-                    codec().name());
-  TORCH_CHECK_VALUE(bucket.numel() == x.numel() && bucket.device() == x.device(),
-                    "gradzip: the bucket and its float32 values must match in size and device");
-  auto& cached = lowrank_buckets_[index];
-  if (!cached.reduction || cached.numels != numels || cached.rows != rows ||
-      cached.reduction->p.device() != x.device())
-    cached = {numels, rows,
-              std::make_shared<LowRankReduction>(*lowrank_, world(), numels, rows, x.options())};
-  traffic_[index] = cached.reduction->traffic();
-  const bool copy_back = !bucket.is_same(x);
-  const LowRankOperands operands{x, residual, q};
-  return launch(index, bucket, {}, [group = group_, guard = guard_, r = cached.reduction,
-                                         bucket, operands, copy_back]() -> Finish {
-    if (guard) guard->save({operands.residual, operands.q});
-    auto allreduce = [&](LowRankStep step) {
-      std::vector<at::Tensor> summed{r->summed(step, operands)};
-      return group->allreduce(summed);
-    };
-    // Every step up to the start of the last all-reduce here (an all-reduce before it waited for:
-    // the next one is issued on the same group, in call order), the rest once that completes.
-    const std::vector<LowRankStep>& steps = LowRankReduction::steps();
-    const auto last = std::find_if(steps.rbegin(), steps.rend(), is_allreduce).base() - 1;
-    for (auto step = steps.begin(); step != last; ++step) {
-      if (is_allreduce(*step))
-        allreduce(*step)->wait();
-      else
-        r->compute(*step, operands);
-    }
-    return [work = allreduce(*last), rest = std::vector<LowRankStep>(last + 1, steps.end()), guard,
-            r, bucket, operands, copy_back] {
-      work->wait();
-      for (const LowRankStep step : rest) r->compute(step, operands);
-      if (guard) guard->flag(operands.x);
-      if (copy_back) bucket.copy_(operands.x);
     };
   });
 }
@@ -329,13 +288,14 @@ c10::intrusive_ptr<c10::ivalue::Future> CompressedAllreduce::reduce_scatter(
                     "gradzip: reduce_scatter needs a contiguous input of world size (", world(),
                     ") times the output's ", output.numel(), " elements on its device, got ",
                     x.numel(), " elements");
-  const Cached& cached = bucket_reductions(index, numels, exact, x, Collective::reduce_scatter);
-  const std::shared_ptr<BucketReduction> r = cached.parts[0];
-  traffic_[index] = cached.traffic;
+  const ReductionParts& reduction =
+      bucket_reductions(index, numels, {}, exact, x, Collective::reduce_scatter);
+  traffic_[index] = reduction.traffic;
   // The sum is fp32; an output of another dtype receives it rounded once.
   const at::Tensor sum = output.scalar_type() == at::kFloat ? output : output.to(at::kFloat);
-  const std::vector<Part> parts{{r, {x, residual, {}, sum, static_cast<float>(prescale)}, index}};
-  return launch(index, output, cached.parts, [group = group_, guard = guard_, parts, output, sum,
+  const std::vector<Part> parts{
+      {reduction.parts[0], {x, residual, {}, sum, {}, static_cast<float>(prescale)}, index}};
+  return launch(index, output, reduction.parts, [group = group_, guard = guard_, parts, output, sum,
                                               residual, timeline = timeline_]() -> Finish {
     if (guard) guard->save({residual});
     return [rest = start(group, {}, parts, timeline), guard, output, sum] {
@@ -384,7 +344,7 @@ c10::intrusive_ptr<c10::ivalue::Future> CompressedAllreduce::launch(
   return future;
 }
 
-void CompressedAllreduce::watch_decodes(const BucketReduction& r, const at::Tensor& result,
+void CompressedAllreduce::watch_decodes(const Reduction& r, const at::Tensor& result,
                                         int64_t index) {
 #if defined(GRADZIP_TORCH_CUDA)
   if (!r.decode_status.defined()) return;

@@ -7,9 +7,10 @@
 //   at::Tensor residual = at::zeros_like(grad);
 //   reduce.reduce(0, grad, grad, {grad.numel()}, residual, {}, true)->wait();  // grad averaged
 //
-// One object per model (per process group). It runs the steps of a bucket's reduction in their
-// order (BucketLayout::steps, LowRankReduction::steps), each collective as the group's; the W ranks
-// of the simulation run the same steps in memory (in_memory_exchange.hpp). reduce() returns at
+// One object per model (per process group) and codec. It runs the steps of a bucket's reduction in
+// their order (Reduction::steps, reduction.hpp: the codec's exchange or lowrank's factors, made
+// once per bucket layout from the codec), each collective as the group's; the W ranks of the
+// simulation run the same steps in memory (in_memory_exchange.hpp). reduce() returns at
 // once with a Future of the bucket (a one-tensor list, as c10d's collectives); the bucket holds
 // the average when it completes.
 //   * CPU tensors: two threads of their own form a pipeline. The issuing thread encodes a bucket
@@ -36,7 +37,7 @@
 // in one piece until a GPU has run the chunks (their phases on the caller's stream could overlap
 // the other chunks' collectives on NCCL's; the driver runs the chunks of any device alike, so
 // that is bucket_reductions' choice alone).
-// Per-bucket buffers (BucketReduction) are allocated at a bucket's first call and reused while its
+// Per-bucket buffers (a Reduction) are allocated at a bucket's first call and reused while its
 // tensor sizes stay the same.
 #pragma once
 
@@ -56,9 +57,8 @@
 #include <utility>
 #include <vector>
 
-#include "bucket_reduction.hpp"
-#include "lowrank_reduction.hpp"
 #include "nonfinite_guard.hpp"
+#include "reduction.hpp"
 #include "timeline.hpp"
 
 namespace gradzip::torch_ext {
@@ -81,29 +81,22 @@ class CompressedAllreduce : public torch::CustomClassHolder {
 
   // Averages `bucket` (a float tensor of any float dtype) over the group. `x`: the float32 values
   // to reduce (the bucket itself, or its float32 copy / optimizer direction; with compress = false
-  // any float dtype, e.g. the bf16 bucket itself), overwritten with the
-  // average, which is then copied into `bucket` if they differ. `numels`: the sizes of the tensors
-  // the bucket holds, in order. `residual` (numel of x) / `owner_residual` (this rank's shard of a
-  // two-phase bucket): error feedback, or undefined. compress = false: an fp32 all-reduce of x / W.
-  // `exact`: per tensor, whether it travels uncompressed (fp32, see bucket_reduction.hpp), or
-  // empty for none.
+  // any float dtype, e.g. the bf16 bucket itself), overwritten with the average, which is then
+  // copied into `bucket` if they differ. `numels`: the sizes of the tensors the bucket holds, in
+  // order. `residual` (numel of x): error feedback, or undefined. compress = false: an fp32
+  // all-reduce of x / W (warm-up steps, small buckets). What the codec's reduction reads besides:
+  // `owner_residual` (this rank's shard of a two-phase bucket, or undefined) and `exact` (per
+  // tensor, whether it travels uncompressed, fp32, see bucket_reduction.hpp; empty for none);
+  // lowrank's: `rows` (each tensor's first dimension, its numel for a 1-D tensor) and `q` (the
+  // bucket's Q factors, the warm start, identical on every rank; left holding the new ones).
   c10::intrusive_ptr<c10::ivalue::Future> reduce(int64_t index, const at::Tensor& bucket,
                                                  const at::Tensor& x,
                                                  const std::vector<int64_t>& numels,
                                                  const at::Tensor& residual,
                                                  const at::Tensor& owner_residual, bool compress,
-                                                 const std::vector<bool>& exact = {});
-
-  // The low-rank average of `bucket` for a "lowrank:R" object (lowrank_reduction.hpp): two
-  // all-reduces on the same thread / stream as reduce(). `rows`: each tensor's first dimension
-  // (its numel for a 1-D tensor). `q`: the bucket's Q factors, the warm start, identical on every
-  // rank; left holding the new ones. Warm-up steps and small buckets use reduce(compress = false).
-  c10::intrusive_ptr<c10::ivalue::Future> reduce_lowrank(int64_t index, const at::Tensor& bucket,
-                                                         const at::Tensor& x,
-                                                         const std::vector<int64_t>& numels,
-                                                         const std::vector<int64_t>& rows,
-                                                         const at::Tensor& residual,
-                                                         const at::Tensor& q);
+                                                 const std::vector<bool>& exact = {},
+                                                 const std::vector<int64_t>& rows = {},
+                                                 const at::Tensor& q = {});
 
   // FSDP's gradient reduce-scatter: `x` (float32, world * output.numel(), shard j for rank j at
   // [j * S, (j + 1) * S)) is encoded as x * prescale with error feedback into `residual` (numel of x,
@@ -128,13 +121,13 @@ class CompressedAllreduce : public torch::CustomClassHolder {
   std::vector<Timeline::Event> take_timeline();
 
   // Bytes (sent, received) this rank moves in the last reduction of bucket `index` started by
-  // reduce, reduce_lowrank or reduce_scatter (known once that call returns): those of the layout
-  // it runs (BucketLayout::traffic, LowRankReduction::traffic), or of an fp32 ring all-reduce for
-  // an uncompressed bucket (fp32_traffic). A ValueError for an index never reduced.
+  // reduce or reduce_scatter (known once that call returns): those of the reduction it runs
+  // (Reduction::traffic), or of an fp32 ring all-reduce for an uncompressed bucket
+  // (fp32_traffic). A ValueError for an index never reduced.
   std::pair<int64_t, int64_t> traffic(int64_t index) const;
 
   // A bucket's reduction, or the consecutive chunks it is sent in (see bucket_reductions).
-  using Parts = std::vector<std::shared_ptr<BucketReduction>>;
+  using Parts = std::vector<std::shared_ptr<Reduction>>;
   // Elements per chunk of a CPU bucket, by default: small enough that the encode of the next chunk
   // and the decode of the previous one hide behind a chunk's collectives, large enough that a
   // chunk's collective costs little more than its bytes (measured: bench/torch/bench_phases.py).
@@ -164,21 +157,18 @@ class CompressedAllreduce : public torch::CustomClassHolder {
   static void serve(const std::shared_ptr<Queue>& queue);
 
   struct Cached {
-    std::vector<int64_t> numels;
+    std::vector<int64_t> numels, rows;
     std::vector<bool> exact;
-    Parts parts;
-    // The whole bucket's: its chunks count as the reduction they are cut from, so that the bytes
-    // do not depend on the device or the chunk size. Not counted: what the cuts add (a header and
-    // its alignment per cut piece; each chunk's all-gather slot sized for its largest shard,
-    // whose cuts may sit up to a block further on than the others': at the default chunk a few
-    // kB per 26 MB int8 bucket).
-    std::pair<int64_t, int64_t> traffic;
+    Collective collective = Collective::allreduce;
+    c10::Device device = c10::kCPU;
+    ReductionParts reduction;
   };
   // A bucket's reductions, built at its first call and reused while its layout stays: one, or the
   // chunks of a CPU bucket (BucketLayout::chunks).
-  const Cached& bucket_reductions(int64_t index, const std::vector<int64_t>& numels,
-                                  const std::vector<bool>& exact, const at::Tensor& x,
-                                  Collective collective);
+  const ReductionParts& bucket_reductions(int64_t index, const std::vector<int64_t>& numels,
+                                          const std::vector<int64_t>& rows,
+                                          const std::vector<bool>& exact, const at::Tensor& x,
+                                          Collective collective);
   // Runs `body` (a reduction that starts its collectives and returns what remains to leave its
   // value in `result`; neither captures `this`) on the issuing thread and its Finish on the
   // finishing thread, or both at once on the CUDA stream (then watches the decodes of `watched`,
@@ -187,24 +177,15 @@ class CompressedAllreduce : public torch::CustomClassHolder {
                                                  const Parts& watched, std::function<Finish()> body);
   // CUDA: NaN-fills `result` on the device if a decode of `r`'s last step failed, and queues the
   // host-side check of its status words for check_errors().
-  void watch_decodes(const BucketReduction& r, const at::Tensor& result, int64_t index);
-  // The codec reduce() and reduce_scatter() compress with; a "lowrank:R" object has none (it
-  // throws: lowrank reduces through reduce_lowrank).
-  const Codec& codec() const;
+  void watch_decodes(const Reduction& r, const at::Tensor& result, int64_t index);
 
   c10::intrusive_ptr<c10d::ProcessGroup> group_, gather_group_;
-  std::optional<int64_t> lowrank_;
-  std::optional<Codec> codec_;
+  ReductionSpec spec_;
   c10::intrusive_ptr<NonfiniteGuard> guard_;
   CastSum cast_sum_;
   int64_t chunk_;
   std::shared_ptr<Timeline> timeline_;  // touched by the caller's thread; null when off
   std::unordered_map<int64_t, Cached> buckets_;  // touched by the caller's thread only
-  struct CachedLowRank {
-    std::vector<int64_t> numels, rows;
-    std::shared_ptr<LowRankReduction> reduction;
-  };
-  std::unordered_map<int64_t, CachedLowRank> lowrank_buckets_;  // likewise
   std::unordered_map<int64_t, std::pair<int64_t, int64_t>> traffic_;  // likewise, per bucket index
   // CUDA: one per reduced bucket, true once its decode status words were read (throws if bad).
   std::vector<std::function<bool()>> pending_checks_;

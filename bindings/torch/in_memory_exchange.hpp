@@ -1,11 +1,11 @@
 // The reduction of one bucket for W ranks simulated in one process (gradzip.simulation's
-// SimulatedWorkers): the steps of its reduction (BucketLayout::steps in bucket_reduction.hpp,
-// LowRankReduction::steps in lowrank_reduction.hpp) run for every rank in lock-step, in rank
-// order, and each collective done in memory on the ranks' buffers:
-//   alltoall           rank i's bytes for rank j copied into rank j's recv, in rank order;
-//   allgather          the W gather_in slots concatenated in rank order into every gathered;
-//   allreduce_payload  the fp32 sum of the W payloads in rank order, rounded once to the wire
-//                      dtype.
+// SimulatedWorkers): the steps of its reduction (Reduction::steps, reduction.hpp: a codec's or
+// lowrank's) run for every rank in lock-step, in rank order, and each collective done in memory on
+// the ranks' buffers:
+//   alltoall    rank i's bytes for rank j copied into rank j's recv, in rank order;
+//   allgather   the W gather_in slots concatenated in rank order into every gathered;
+//   all-reduce  the fp32 sum of the W summed buffers in rank order, rounded once to their dtype
+//               (a cast's payload in the wire dtype, lowrank's factors in fp32).
 // The all-to-all and the all-gather move the bytes a process group moves, so the result equals
 // compressed_allreduce.hpp's bit for bit. The casts' one all-reduce is summed by a backend in the
 // wire dtype in an order of its own (Gloo and NCCL differ, and so do the elements of one bucket):
@@ -17,19 +17,12 @@
 
 #include <vector>
 
-#include "bucket_reduction.hpp"
-#include "lowrank_reduction.hpp"
+#include "reduction.hpp"
 
 namespace gradzip::torch_ext {
 
-// ranks[r]: rank r's reduction, every one of the same codec and layout; operands[r]: its tensors
-// (prescale unset: the average's 1 / W).
-void reduce_in_memory(const std::vector<BucketReduction*>& ranks,
-                      const std::vector<Operands>& operands);
-
-// ranks[r]: rank r's lowrank reduction of the bucket, every one for a world of W = ranks.size();
-// operands[r]: its tensors (x left holding the average).
-void reduce_in_memory(const std::vector<LowRankReduction*>& ranks,
-                      const std::vector<LowRankOperands>& operands);
+// ranks[r]: rank r's reduction of a world of W = ranks.size(), every one of the same codec and
+// layout; operands[r]: its tensors (prescale unset: the average's 1 / W; out receives the average).
+void reduce_in_memory(const std::vector<Reduction*>& ranks, const std::vector<Operands>& operands);
 
 }  // namespace gradzip::torch_ext

@@ -79,19 +79,20 @@ std::pair<int64_t, int64_t> lowrank_sizes(int64_t rank, const std::vector<int64_
   return {p, q};
 }
 
-LowRankReduction::LowRankReduction(int64_t rank, int64_t world, const std::vector<int64_t>& numels,
+LowRankReduction::LowRankReduction(int64_t lowrank, int64_t world, int64_t rank,
+                                   const std::vector<int64_t>& numels,
                                    const std::vector<int64_t>& rows,
                                    const at::TensorOptions& options)
-    : world_(world) {
-  const auto [p_numel, q_numel] = lowrank_sizes(rank, numels, rows);
+    : Reduction(world, rank), lowrank_(lowrank) {
+  const auto [p_numel, q_numel] = lowrank_sizes(lowrank, numels, rows);
   q_numel_ = q_numel;
   int64_t p_factors = 0;
   for (size_t i = 0; i < numels.size(); ++i)
-    p_factors += rows[i] * lowrank_rank(rows[i], numels[i] / rows[i], rank);
+    p_factors += rows[i] * lowrank_rank(rows[i], numels[i] / rows[i], lowrank);
   int64_t p_off = 0, tail_off = p_factors, q_off = 0;
   for (size_t i = 0; i < numels.size(); ++i) {
     const int64_t cols = numels[i] / rows[i];
-    const int64_t r = lowrank_rank(rows[i], cols, rank);
+    const int64_t r = lowrank_rank(rows[i], cols, lowrank);
     int64_t& at_p = r ? p_off : tail_off;
     pieces_.push_back({n_, rows[i], cols, r, at_p, q_off});
     at_p += r ? rows[i] * r : numels[i];
@@ -101,52 +102,52 @@ LowRankReduction::LowRankReduction(int64_t rank, int64_t world, const std::vecto
   p = at::empty({p_numel}, options.dtype(at::kFloat));
 }
 
-bool is_allreduce(LowRankStep step) {
-  return step == LowRankStep::allreduce_p || step == LowRankStep::allreduce_q;
-}
-
-const std::vector<LowRankStep>& LowRankReduction::steps() {
-  using enum LowRankStep;
-  static const std::vector<LowRankStep> order{compute_p, allreduce_p, compute_q, allreduce_q,
-                                              finish};
+const std::vector<Step>& LowRankReduction::steps() const {
+  using enum Step;
+  static const std::vector<Step> order{compute_p, allreduce_p, compute_q, allreduce_q, approximate};
   return order;
 }
 
-void LowRankReduction::compute(LowRankStep step, const LowRankOperands& operands) {
-  const auto& [x, residual, q] = operands;
+void LowRankReduction::compute(Step step, const Operands& operands) {
+  const auto& [x, residual, owner_residual, out, q, prescale] = operands;
   switch (step) {
-    case LowRankStep::compute_p:
-      compute_p(x, residual, q);
+    case Step::compute_p:
+      if (!out.is_same(x)) {
+        check(x, residual, q);
+        out.copy_(x);
+      }
+      compute_p(out, residual, q);
       return;
-    case LowRankStep::compute_q:
-      compute_q(x, q);
+    case Step::compute_q:
+      compute_q(out, q);
       return;
-    case LowRankStep::finish:
-      finish(x, residual, q);
+    case Step::approximate:
+      approximate(out, residual, q);
       return;
-    case LowRankStep::allreduce_p:
-    case LowRankStep::allreduce_q:
+    default:
       break;
   }
-  TORCH_CHECK(false, "gradzip: lowrank: an all-reduce is the driver's to run, not a phase");
+  TORCH_CHECK(false, "gradzip: ", step_name(step), " is no phase of a ", name(), " reduction");
 }
 
-bool LowRankReduction::same_layout(const LowRankReduction& other) const {
-  return world_ == other.world_ && n_ == other.n_ && q_numel_ == other.q_numel_ &&
-         pieces_ == other.pieces_;
+bool LowRankReduction::same_layout(const Reduction& other) const {
+  const auto* peer = dynamic_cast<const LowRankReduction*>(&other);
+  return peer != nullptr && peer->world() == world() && peer->n_ == n_ &&
+         peer->q_numel_ == q_numel_ && peer->pieces_ == pieces_;
 }
 
 std::pair<int64_t, int64_t> LowRankReduction::traffic() const {
   int64_t bytes = 0;
-  for (const LowRankStep step : steps())
+  for (const Step step : steps())
     if (is_allreduce(step))
-      bytes += fp32_traffic(step == LowRankStep::allreduce_p ? p.numel() : q_numel_, world_);
+      bytes += fp32_traffic(step == Step::allreduce_p ? p.numel() : q_numel_, world());
   return {bytes, bytes};
 }
 
-at::Tensor LowRankReduction::summed(LowRankStep step, const LowRankOperands& operands) const {
-  TORCH_CHECK(is_allreduce(step), "gradzip: lowrank: a phase sums no buffer");
-  return step == LowRankStep::allreduce_p ? p : operands.q;
+at::Tensor LowRankReduction::summed(Step step, const Operands& operands) const {
+  TORCH_CHECK(step == Step::allreduce_p || step == Step::allreduce_q, "gradzip: ",
+              step_name(step), " sums no buffer of a ", name(), " reduction");
+  return step == Step::allreduce_p ? p : operands.q;
 }
 
 at::Tensor LowRankReduction::matrix(const at::Tensor& x, const Piece& piece) const {
@@ -176,7 +177,7 @@ void LowRankReduction::check(const at::Tensor& x, const at::Tensor& residual,
 void LowRankReduction::compute_p(const at::Tensor& x, const at::Tensor& residual,
                                  const at::Tensor& q) {
   check(x, residual, q);
-  x.div_(static_cast<double>(world_));  // as the other codecs: sum of x / W, no overflow
+  x.div_(static_cast<double>(world()));  // as the other codecs: sum of x / W, no overflow
   if (residual.defined()) x.add_(residual);
   for (const Piece& piece : pieces_) {
     if (piece.rank == 0) {
@@ -204,8 +205,8 @@ void LowRankReduction::compute_q(const at::Tensor& x, const at::Tensor& q) {
   }
 }
 
-void LowRankReduction::finish(const at::Tensor& x, const at::Tensor& residual,
-                              const at::Tensor& q) {
+void LowRankReduction::approximate(const at::Tensor& x, const at::Tensor& residual,
+                                   const at::Tensor& q) {
   check(x, residual, q);
   for (const Piece& piece : pieces_) {
     at::Tensor m = matrix(x, piece);
@@ -219,7 +220,7 @@ void LowRankReduction::finish(const at::Tensor& x, const at::Tensor& residual,
     // This rank's share of what the approximation left out: the W residuals sum to the sum's
     // M - P Q^T. Subtracting all of P Q^T on every rank would feed back (1 - W) times the
     // approximated part (it oscillates at W = 2 and grows without bound above).
-    if (e.defined()) e.sub_(m, 1.0 / static_cast<double>(world_));
+    if (e.defined()) e.sub_(m, 1.0 / static_cast<double>(world()));
   }
 }
 

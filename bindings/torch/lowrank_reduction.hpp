@@ -4,20 +4,22 @@
 // gradzip.simulation.SimulatedWorkers) run the same arithmetic.
 //
 // Each tensor of the bucket is a matrix M (rows = its first dimension, cols = the rest), with
-// M = x / W + residual (error feedback in the units of the average). Per step:
-//   compute_p   Q (cols x r, kept between steps: the warm start) is orthonormalised, P = M Q into
-//               p; tensors where low rank saves nothing go into p's tail as M itself;
-//   all-reduce  SUM of p (the tail sums to the uncompressed average);
-//   compute_q   P's columns are orthonormalised, Q = M^T P, written over the caller's q;
-//   all-reduce  SUM of q;
-//   finish      x = P Q^T (the average's rank-r approximation), residual = M - P Q^T / W (the
-//               residuals of the W ranks sum to sum(M) - P Q^T, what the approximation left out);
-//               the uncompressed tensors take the tail of p.
+// M = x / W + residual (error feedback in the units of the average), formed in `out` (x itself, or
+// a copy of x where out is another tensor). Per step:
+//   compute_p    Q (cols x r, kept between steps: the warm start) is orthonormalised, P = M Q into
+//                p; tensors where low rank saves nothing go into p's tail as M itself;
+//   allreduce_p  SUM of p (the tail sums to the uncompressed average);
+//   compute_q    P's columns are orthonormalised, Q = M^T P, written over the caller's q;
+//   allreduce_q  SUM of q;
+//   approximate  out = P Q^T (the average's rank-r approximation), residual = M - P Q^T / W (the
+//                residuals of the W ranks sum to sum(M) - P Q^T, what the approximation left out);
+//                the uncompressed tensors take the tail of p.
 // One bucket is exactly two all-reduces, whatever its tensors. P and Q of each tensor are views of
 // the flat buffers written by at::mm_out: tensors of one shape are never stacked into a copy.
-// That order is written once, as data (LowRankReduction::steps), which each driver interprets: a
-// process group (compressed_allreduce.hpp) and W ranks in one process (in_memory_exchange.hpp),
-// and which gives the bytes the reduction reports (LowRankReduction::traffic).
+// That order is written once, as data (LowRankReduction::steps), which each driver interprets as it
+// interprets a codec's (a Reduction, reduction.hpp): a process group (compressed_allreduce.hpp) and
+// W ranks in one process (in_memory_exchange.hpp); it gives the bytes the reduction reports
+// (LowRankReduction::traffic).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -26,6 +28,8 @@
 #include <string>
 #include <utility>
 #include <vector>
+
+#include "reduction.hpp"
 
 namespace gradzip::torch_ext {
 
@@ -42,42 +46,30 @@ int64_t lowrank_rank(int64_t rows, int64_t cols, int64_t rank);
 std::pair<int64_t, int64_t> lowrank_sizes(int64_t rank, const std::vector<int64_t>& numels,
                                           const std::vector<int64_t>& rows);
 
-// The steps of one rank's reduction, the list above: three phases and the two all-reduces (SUM in
-// place of LowRankReduction::summed) between them.
-enum class LowRankStep { compute_p, allreduce_p, compute_q, allreduce_q, finish };
-bool is_allreduce(LowRankStep step);
-
-// What one rank's phases read and write (see compute_p).
-struct LowRankOperands {
-  at::Tensor x, residual, q;
-};
-
-class LowRankReduction {
+class LowRankReduction : public Reduction {
  public:
-  LowRankReduction(int64_t rank, int64_t world, const std::vector<int64_t>& numels,
+  // `lowrank`: R. `rank`: this rank's, of `world`.
+  LowRankReduction(int64_t lowrank, int64_t world, int64_t rank, const std::vector<int64_t>& numels,
                    const std::vector<int64_t>& rows, const at::TensorOptions& options);
 
-  static const std::vector<LowRankStep>& steps();
-  // Runs one phase (a step that is no all-reduce) on `operands`.
-  void compute(LowRankStep step, const LowRankOperands& operands);
-  // The buffer an all-reduce step sums in place: p, or the caller's q.
-  at::Tensor summed(LowRankStep step, const LowRankOperands& operands) const;
-  int64_t world() const { return world_; }
-  // Bytes (sent, received) of one rank for this bucket: its all-reduces (`steps`), each counted as
-  // a float32 ring all-reduce (fp32_traffic).
-  std::pair<int64_t, int64_t> traffic() const;
-  // Whether `other` reduces a bucket of the same tensors over the same world (its rank's peer).
-  bool same_layout(const LowRankReduction& other) const;
+  std::string name() const override { return "lowrank:" + std::to_string(lowrank_); }
+  const std::vector<Step>& steps() const override;
+  void compute(Step step, const Operands& operands) override;
+  // p, or the caller's q.
+  at::Tensor summed(Step step, const Operands& operands) const override;
+  // Each all-reduce counted as a float32 ring all-reduce (fp32_traffic).
+  std::pair<int64_t, int64_t> traffic() const override;
+  bool same_layout(const Reduction& other) const override;
 
   at::Tensor p;  // the first all-reduced buffer; q, the second, is the caller's state
 
  private:
-  // x: the bucket's float32 values (left holding M after compute_p, the average after finish);
-  // residual: numel of x, or undefined (no error feedback); q: this bucket's Q factors
-  // (lowrank_sizes().second elements), identical on every rank.
-  void compute_p(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& q);
-  void compute_q(const at::Tensor& x, const at::Tensor& q);
-  void finish(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& q);
+  // m: the bucket's float32 values (left holding M after compute_p, the average after
+  // approximate); residual: numel of m, or undefined (no error feedback); q: this bucket's Q
+  // factors (lowrank_sizes().second elements), identical on every rank.
+  void compute_p(const at::Tensor& m, const at::Tensor& residual, const at::Tensor& q);
+  void compute_q(const at::Tensor& m, const at::Tensor& q);
+  void approximate(const at::Tensor& m, const at::Tensor& residual, const at::Tensor& q);
 
   struct Piece {
     int64_t offset, rows, cols, rank;  // rank 0: sent uncompressed in p's tail at p_offset
@@ -90,7 +82,7 @@ class LowRankReduction {
   static at::Tensor q_factor(const at::Tensor& q, const Piece& piece);
   void check(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& q) const;
 
-  int64_t world_, n_ = 0, q_numel_ = 0;
+  int64_t lowrank_, n_ = 0, q_numel_ = 0;
   std::vector<Piece> pieces_;
 };
 

@@ -19,17 +19,4 @@ std::vector<Timeline::Event> Timeline::take() {
   return std::exchange(events_, {});
 }
 
-const char* step_name(Step step) {
-  switch (step) {
-    case Step::encode: return "encode";
-    case Step::allreduce_payload: return "all-reduce";
-    case Step::alltoall: return "all-to-all";
-    case Step::reduce_owner: return "owner sum + re-encode";
-    case Step::allgather: return "all-gather";
-    case Step::decode: return "decode";
-    case Step::sum_shard: return "sum shard";
-  }
-  return "?";
-}
-
 }  // namespace gradzip::torch_ext

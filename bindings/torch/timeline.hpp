@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "bucket_reduction.hpp"
+#include "reduction.hpp"
 
 namespace gradzip::torch_ext {
 
@@ -32,8 +32,5 @@ class Timeline {
   std::mutex mutex_;
   std::vector<Event> events_;
 };
-
-// The name of a step, as the timeline and error messages show it.
-const char* step_name(Step step);
 
 }  // namespace gradzip::torch_ext

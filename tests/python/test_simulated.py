@@ -354,21 +354,23 @@ def test_uncompressed_numel_is_off_by_default_and_ignored_elsewhere():
 
 def test_the_in_memory_exchange_takes_the_ranks_of_one_bucket_in_rank_order():
     """The W reductions the simulation hands to the in-memory exchange: ranks 0..W-1 in order, of
-    one codec and layout, one tensor of each kind per rank; anything else is a ValueError before a
-    byte moves."""
+    one codec and layout (lowrank's too), one tensor of each kind per rank; anything else is a
+    ValueError before a byte moves."""
     x = torch.randn(300)
     ranks = [torch.classes.gradzip.BucketReduction("int8", 2, r, [300], x) for r in range(2)]
     outs = [torch.empty(300) for _ in range(2)]
+    none = [None] * 2
     reduce = torch.ops.gradzip.reduce_in_memory
     with pytest.raises(ValueError, match="rank order"):
-        reduce(ranks[::-1], [x, x], [None] * 2, [None] * 2, outs)
+        reduce(ranks[::-1], [x, x], none, none, none, outs)
     other = torch.classes.gradzip.BucketReduction("sign", 2, 1, [300], x)
     with pytest.raises(ValueError, match="codec and layout"):
-        reduce([ranks[0], other], [x, x], [None] * 2, [None] * 2, outs)
+        reduce([ranks[0], other], [x, x], none, none, none, outs)
     with pytest.raises(ValueError, match="per rank"):
-        reduce(ranks, [x], [None] * 2, [None] * 2, outs)
-    lowrank = [torch.classes.gradzip.LowRankReduction(2, 2, numels, [10], x)
-               for numels in ([300], [290])]
-    with pytest.raises(ValueError, match="one bucket's tensors"):
-        torch.ops.gradzip.reduce_lowrank_in_memory(lowrank, [x, x], [None] * 2,
-                                                   [torch.zeros(60)] * 2)
+        reduce(ranks, [x], none, none, none, outs)
+    lowrank = [torch.classes.gradzip.BucketReduction("lowrank:2", 2, r, numels, x, rows=[10])
+               for r, numels in enumerate(([300], [290]))]
+    with pytest.raises(ValueError, match="codec and layout"):
+        reduce(lowrank, [x, x], none, none, [torch.zeros(60)] * 2, outs)
+    with pytest.raises(ValueError, match="codec and layout"):
+        reduce([ranks[0], lowrank[1]], [x, x], none, none, none, outs)

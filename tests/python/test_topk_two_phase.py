@@ -154,9 +154,10 @@ def test_error_feedback_without_an_owner_residual_is_refused():
     xs = [torch.randn(n) for _ in range(world)]
     with pytest.raises(ValueError, match="owner residual"):
         torch.ops.gradzip.reduce_in_memory(ranks, xs, [torch.zeros(n)] * world, [None] * world,
-                                           [torch.empty(n) for _ in range(world)])
+                                           [None] * world, [torch.empty(n) for _ in range(world)])
     outs = [torch.empty(n) for _ in range(world)]  # without error feedback: nothing to keep
-    torch.ops.gradzip.reduce_in_memory(ranks, xs, [None] * world, [None] * world, outs)
+    torch.ops.gradzip.reduce_in_memory(ranks, xs, [None] * world, [None] * world, [None] * world,
+                                       outs)
     assert torch.equal(outs[0], outs[1]) and (outs[0] != 0).sum() <= 2 * 50
 
 

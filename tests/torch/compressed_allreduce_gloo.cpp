@@ -454,6 +454,31 @@ void check_chunked(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
   }
 }
 
+// lowrank:R through the same reduce(), given each tensor's rows and the bucket's Q factors: both
+// ranks hold the same rank-1 matrix and a 1-D tensor, so the rank-1 average is the matrix itself
+// (to float rounding), the 1-D tensor travels whole, and the two fp32 all-reduces are the bytes.
+void check_lowrank(const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
+  constexpr int64_t rows = 50, cols = 40, bias = 30;
+  at::manual_seed(7);  // the same on both ranks
+  const at::Tensor matrix = at::outer(at::randn({rows}), at::randn({cols}));
+  const at::Tensor g = at::cat({matrix.reshape(-1), at::randn({bias})});
+  CompressedAllreduce reducer(group, "lowrank:1");
+  at::Tensor x = g.clone(), residual = at::zeros_like(g), q = at::randn({cols});
+  reducer.reduce(0, x, x, {rows * cols, bias}, residual, {}, true, {}, {rows, bias}, q)->wait();
+  expect(at::allclose(x, g, 1e-4, 1e-5), "lowrank:1 of a rank-1 matrix is the matrix");
+  expect(residual.abs().max().item<float>() < 1e-5, "lowrank:1 of a rank-1 matrix leaves none");
+  const int64_t bytes = gradzip::torch_ext::fp32_traffic(rows + bias, kWorld) +
+                        gradzip::torch_ext::fp32_traffic(cols, kWorld);
+  expect(reducer.traffic(0) == std::pair{bytes, bytes}, "lowrank: two fp32 all-reduces' bytes");
+  bool threw = false;
+  try {
+    reducer.reduce_scatter(1, at::empty({g.numel() / kWorld}), g.clone(), {g.numel()}, {}, 1.0);
+  } catch (const c10::ValueError&) {
+    threw = true;
+  }
+  expect(threw, "lowrank has no reduce-scatter (a ValueError)");
+}
+
 int run_rank(int rank, const std::string& store_path) {
   my_rank = rank;
   auto store = c10::make_intrusive<c10d::FileStore>(store_path, kWorld);
@@ -470,6 +495,7 @@ int run_rank(int rank, const std::string& store_path) {
   check_topk(group);
   check_reduce_scatter(group);
   check_traffic(group);
+  check_lowrank(group);
   // The second group's Gloo pairs on keys of their own in the same store.
   auto gather_store = c10::make_intrusive<c10d::PrefixStore>("gather", store);
   auto gather_gloo =

@@ -246,14 +246,7 @@ class CompressionState(ReducerState):
         bucket = self.config.begin_bucket(self.step, layout, self._world, reduction_guards=True)
         selected = bucket.send(x, st, self._guard, self._clip)
         runtime = self._runtime_of_step()
-        if bucket.lowrank:
-            fut = runtime.reduce_lowrank(index, bucket_view, x, bucket.numels, bucket.rows,
-                                         st.residual, st.q)
-        else:
-            fb = bucket.feedback(st)
-            residuals = (None,) * 2 if fb is None else (fb.residual, fb.owner_residual)
-            fut = runtime.reduce(index, bucket_view, x, bucket.numels, *residuals,
-                                 bucket.plan is not None, bucket.exact)
+        fut = bucket.reduce(runtime, index, bucket_view, x, st)
         bucket.count(self._stats, runtime.traffic(index))
         if self.config.direction is None:
             return fut

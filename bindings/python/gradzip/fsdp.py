@@ -19,7 +19,7 @@ all-to-all and fp32 sum of the DDP hook's reduction, see bindings/torch/bucket_r
 
 ``lowrank:R`` has no per-shard encoding: P and Q of a parameter need all of its rows. Each rank
 reduces the group's unsharded gradient (its parameters one after the other, FSDP's padding left
-out) as the DDP hook reduces a bucket (``CompressedAllreduce.reduce_lowrank``: two fp32
+out) as the DDP hook reduces a bucket (``CompressedAllreduce.reduce``: two fp32
 all-reduces of the factors, error feedback M - P Q^T / W on the unsharded gradient, each
 parameter's Q kept between steps and identical on every rank) and keeps its own rows of the
 average. Its parameters must be sharded on dim 0 (FSDP's default).
@@ -44,8 +44,8 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from . import _ops  # noqa: F401  (loads the extension that defines torch.classes.gradzip)
 from ._groups import reducing_group, require_same_config
-from .bucket_state import initial_qs, layout_numels, layout_rows, tuplify
-from .reducer import ReducerConfig, ReducerState
+from .bucket_state import initial_qs, tuplify
+from .reducer import ReducerConfig, ReducerState, reduce_bucket
 from .param_gather import CompressedAllGather, param_codec as _param_codec
 from .wire import MIN_COMPRESS_NUMEL, travels_uncompressed
 
@@ -138,13 +138,15 @@ class _GroupLayout:
 class _GroupState:
     """One parameter group's state on this rank. lowrank: ``residual`` is the unsharded
     gradient's (``layout.bucket``), ``q`` its parameters' Q factors; ``gather`` takes the unsharded
-    gradient out of the input, ``mine`` / ``into`` move this rank's rows of it into the output."""
+    gradient out of the input, ``mine`` / ``into`` move this rank's rows of it into the output.
+    No owner residual: each rank keeps its shard of the sum as it is."""
 
-    __slots__ = ("layout", "residual", "padding", "q", "gather", "mine", "into")
+    __slots__ = ("layout", "residual", "owner_residual", "padding", "q", "gather", "mine", "into")
 
     def __init__(self, layout: _GroupLayout, residual: Optional[torch.Tensor],
                  q: Optional[torch.Tensor], rank: int, device):
         self.layout, self.residual, self.q = layout, residual, q
+        self.owner_residual = None
         self.padding = layout.padding().to(device)
         self.gather = self.mine = self.into = None
         if q is not None:
@@ -365,10 +367,8 @@ class FSDPCompressionState(ReducerState):
     def _reduce_lowrank(self, index, st, output, input, scale):
         """The whole unsharded gradient's lowrank average on every rank (the DDP hook's
         reduction of a bucket), ``scale`` times it (FSDP's op: W for a SUM) in this rank's rows."""
-        bucket = st.layout.bucket
         x = input.reshape(-1).index_select(0, st.gather).float()
-        fut = self._runtime.reduce_lowrank(index, x, x, layout_numels(bucket),
-                                           layout_rows(bucket), st.residual, st.q)
+        fut = reduce_bucket(self._runtime, index, x, x, st.layout.bucket, st)
 
         def keep_mine(f):
             mine = f.value()[0].index_select(0, st.mine)

@@ -228,9 +228,9 @@ class ReducerConfig:
 class BucketStep:
     """The sequence one bucket goes through at one step, the same for the DDP hook (one rank) and
     the simulation (each of its W ranks): :meth:`ReducerConfig.begin_bucket` decides how the bucket
-    travels; then, per rank, :meth:`send` (before the collective), the caller's collective
-    (:attr:`plan`, :attr:`lowrank`, the residuals of :meth:`feedback`) and :meth:`receive`; and
-    :meth:`count` of the bytes the collective reports.
+    travels; then, per rank, :meth:`send` (before the collective), the reduction (:meth:`reduce` on
+    a process group, :meth:`reduce_in_memory` for the simulation's W ranks) and :meth:`receive`;
+    and :meth:`count` of the bytes the reduction reports.
 
     ``reduction_guards``: the reduction itself saves the residuals and Q factors it updates and
     flags its result for the non-finite guard (the hook's C++ CompressedAllreduce does; the
@@ -245,8 +245,6 @@ class BucketStep:
             config.exact(layout)
         self.compressed = config.compresses(step, n, world)
         self.plan = config.transport(step, n, world)  # None: an fp32 all-reduce of the average
-        # lowrank's collectives (all-reduces of the factors) instead of the codec's
-        self.lowrank = self.compressed and config.plan.lowrank_rank > 0
         # the uncompressed reference: an fp32 ring all-reduce of the bucket
         self.raw_bytes = _ops.fp32_traffic(n, world)
 
@@ -267,6 +265,20 @@ class BucketStep:
         warm-up codec sends without feedback)."""
         return st if self.compressed else None
 
+    def reduce(self, runtime, index: int, bucket: torch.Tensor, x: torch.Tensor, st):
+        """Starts one rank's reduction of ``x`` (the bucket's float32 values, or ``bucket`` itself)
+        into ``bucket`` on ``runtime``, the C++ CompressedAllreduce of :attr:`plan` (the codec's
+        exchange or lowrank's factors: the C++ reduction is chosen by the codec); returns its
+        Future."""
+        return reduce_bucket(runtime, index, bucket, x, self.layout, self.feedback(st),
+                             self.plan is not None, self.exact)
+
+    def reduce_in_memory(self, ranks: list, xs: list, states: list, outs: list) -> None:
+        """Every rank's reduction of its ``xs[r]`` into ``outs[r]``, the collectives done in memory:
+        ``ranks``, the W C++ BucketReduction of :attr:`plan` (see reduce_bucket)."""
+        updated = zip(*(reduction_operands(self.feedback(st)) for st in states))
+        torch.ops.gradzip.reduce_in_memory(ranks, xs, *(list(t) for t in updated), outs)
+
     def receive(self, avg: torch.Tensor, st, selected: Optional[torch.Tensor], guard=None) -> None:
         """One rank's part after the collective: the optimizer direction turns the average ``avg``
         into what the optimizer applies, in place (``selected``: what :meth:`send` returned), and
@@ -280,6 +292,23 @@ class BucketStep:
         reports (``traffic()`` of the C++ reduction), against :attr:`raw_bytes`."""
         sent, received = traffic
         stats.add(sent, received, self.raw_bytes, self.plan is not None)
+
+
+def reduction_operands(st) -> tuple:
+    """What a reduction updates besides the bucket, from the state ``st`` (None: nothing): its
+    residual, owner residual and lowrank's Q factors. Each C++ reduction reads those it has."""
+    return (None,) * 3 if st is None else (st.residual, st.owner_residual, st.q)
+
+
+def reduce_bucket(runtime, index: int, bucket: torch.Tensor, x: torch.Tensor, layout, st,
+                  compress: bool = True, exact=()):
+    """Starts the reduction of ``x`` into ``bucket`` (of ``layout``, a bucket_state layout) on
+    ``runtime``, a C++ CompressedAllreduce, updating ``st`` (reduction_operands); ``compress=False``:
+    an fp32 all-reduce of the average. The one call of the reduction for the DDP hook and FSDP's
+    all-reduced groups; returns its Future."""
+    residual, owner_residual, q = reduction_operands(st)
+    return runtime.reduce(index, bucket, x, layout_numels(layout), residual, owner_residual,
+                          compress, list(exact), layout_rows(layout), q)
 
 
 def state_tensors(st) -> list:

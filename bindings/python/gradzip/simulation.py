@@ -26,8 +26,7 @@ __all__ = ["SimulatedWorkers"]
 class SimulatedWorkers(Reporting):
     """W workers in one process, each with its own error-feedback state, reduced with exactly the
     arithmetic of :func:`compress_hook` (the same C++ phases in the same order, written once in
-    C++; the collectives done in memory by ``torch.ops.gradzip.reduce_in_memory`` /
-    ``reduce_lowrank_in_memory``).
+    C++; the collectives done in memory by ``torch.ops.gradzip.reduce_in_memory``).
 
         sim = SimulatedWorkers("int8", world_size=4)
         avg = sim.reduce([g0, g1, g2, g3])   # what every rank's bucket holds after the hook
@@ -63,7 +62,7 @@ class SimulatedWorkers(Reporting):
         self._guards = [self.config.new_guard() for _ in range(self.world_size)]
         self._clips = [self.config.new_clip() for _ in range(self.world_size)]
         self._in_step = False  # a bucket of the current step has been reduced
-        self._reductions = {}  # (bucket_index, numels, exact, device) -> a BucketReduction per rank
+        self._reductions = {}  # (plan, bucket_index, numels, rows, exact, device) -> one per rank
         if optimizer is not None:
             optimizer.attached = True
 
@@ -126,20 +125,10 @@ class SimulatedWorkers(Reporting):
             outs = [out] * world if cfg.direction is None else [out] + [
                 out.clone() for _ in range(world - 1)]
             traffic = (bucket.raw_bytes,) * 2  # the fp32 all-reduce is the reference itself
-        elif bucket.lowrank:
-            outs = [f.clone() for f in flats]  # reduced in place; flats may be the caller's grads
-            ranks = self._lowrank_reductions(bucket_index, bucket.numels, bucket.rows, flats[0])
-            torch.ops.gradzip.reduce_lowrank_in_memory(
-                ranks, outs, [st.residual for st in states], [st.q for st in states])
-            traffic = ranks[0].traffic()
         else:
             outs = [torch.empty_like(f) for f in flats]
-            feedback = [bucket.feedback(st) for st in states]
-            ranks = self._bucket_reductions(bucket.plan, bucket_index, bucket.numels, bucket.exact,
-                                            flats[0])
-            torch.ops.gradzip.reduce_in_memory(
-                ranks, flats, [None if st is None else st.residual for st in feedback],
-                [None if st is None else st.owner_residual for st in feedback], outs)
+            ranks = self._reductions_of(bucket, bucket_index, flats[0])
+            bucket.reduce_in_memory(ranks, flats, states, outs)
             traffic = ranks[0].traffic()
         bucket.count(self._stats, traffic)  # rank 0's, as the hook's stats are its rank's
         for o, st, sel, g in zip(outs, states, selected, self._guards):
@@ -158,23 +147,18 @@ class SimulatedWorkers(Reporting):
             self.step += 1
         return outs[0]
 
-    def _bucket_reductions(self, plan, index, numels, exact, like):
-        key = (plan, index, tuple(numels), tuple(exact), like.device)
+    def _reductions_of(self, bucket, index, like):
+        """The W ranks' C++ reductions of a bucket (the codec's or lowrank's, as its spec says),
+        made at its first step and reused while its layout stays."""
+        plan = bucket.plan
+        key = (plan, index, tuple(bucket.numels), tuple(bucket.rows), tuple(bucket.exact),
+               like.device)
         if key not in self._reductions:
             self._reductions[key] = [
-                torch.classes.gradzip.BucketReduction(plan.spec, self.world_size, r, list(numels),
-                                                      like, plan.cast_sum, list(exact))
+                torch.classes.gradzip.BucketReduction(plan.spec, self.world_size, r,
+                                                      list(bucket.numels), like, plan.cast_sum,
+                                                      list(bucket.exact), list(bucket.rows))
                 for r in range(self.world_size)]
-        return self._reductions[key]
-
-    def _lowrank_reductions(self, index, numels, rows, like):
-        key = (index, tuple(numels), tuple(rows), like.device)
-        if key not in self._reductions:
-            self._reductions[key] = [
-                torch.classes.gradzip.LowRankReduction(self.config.plan.lowrank_rank,
-                                                       self.world_size, list(numels), list(rows),
-                                                       like)
-                for _ in range(self.world_size)]
         return self._reductions[key]
 
     def state_dict(self) -> dict:

@@ -261,8 +261,7 @@ class FSDPCompressionState(ReducerState):
 
     # -- internals --------------------------------------------------------------------------------
     def _end_step(self) -> None:
-        self._stats.end_step(self.step)
-        self.step += 1
+        super()._end_step()
         self._reduced = set()
 
     def _check_config(self, group, device) -> None:
@@ -320,11 +319,9 @@ class FSDPCompressionState(ReducerState):
 
     def _reduce_scatter(self, index, output, input, group, op, async_op, divide_factor):
         world, rank = group.size(), group.rank()
-        if self._guard_step != self.step:
-            self._commit()  # first reduction of a new step: the previous one is complete
         if index in self._reduced:
             self._end_step()  # a group not reduced in the last step (no gradient): end it here
-            self._commit()
+        self._begin_step()
         self._setup(group, input.device)
         st = self._group_state(index, world, rank, input.device)
         if input.numel() != world * st.layout.shard or output.numel() != st.layout.shard:

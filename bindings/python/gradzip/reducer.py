@@ -90,10 +90,24 @@ class ReducerConfig:
         # the elements of all buckets together: each bucket's share of max_grad_norm
         self.total_numel = 0 if optimizer is None else sum(
             p.numel() for group in optimizer.param_groups for p in group["params"])
+        if optimizer is not None:
+            optimizer.attached = True  # its step() now checks what the reducer wrote
 
     @property
     def codec(self) -> str:
         return self.plan.spec
+
+    def attach(self, optimizer) -> None:
+        """Binds ``optimizer``'s direction in place of the one this configuration was made (and
+        pickled) with, of the same kind and settings."""
+        saved = self.direction
+        direction = getattr(optimizer, "direction", None)
+        if saved is None or direction is None or direction.describe() != saved.describe():
+            raise ValueError("gradzip: attach() takes an optimizer of the kind and settings the "
+                             f"state was made with ({'none' if saved is None else saved.describe()})"
+                             f", got {type(optimizer).__name__}")
+        self.direction = direction
+        optimizer.attached = True
 
     def describe(self, world: int) -> str:
         return (f"codec={self.plan.spec} cast_sum={self.plan.cast_sum} "
@@ -265,13 +279,29 @@ class BucketStep:
         warm-up codec sends without feedback)."""
         return st if self.compressed else None
 
-    def reduce(self, runtime, index: int, bucket: torch.Tensor, x: torch.Tensor, st):
-        """Starts one rank's reduction of ``x`` (the bucket's float32 values, or ``bucket`` itself)
-        into ``bucket`` on ``runtime``, the C++ CompressedAllreduce of :attr:`plan` (the codec's
-        exchange or lowrank's factors: the C++ reduction is chosen by the codec); returns its
-        Future."""
-        return reduce_bucket(runtime, index, bucket, x, self.layout, self.feedback(st),
-                             self.plan is not None, self.exact)
+    def reduce(self, runtime, index: int, bucket: torch.Tensor, x: torch.Tensor, st,
+               selected: Optional[torch.Tensor] = None):
+        """One rank's reduction of ``x`` (the bucket's float32 values, or ``bucket`` itself) into
+        ``bucket`` on ``runtime``, the C++ CompressedAllreduce of :attr:`plan` (the codec's
+        exchange or lowrank's factors: the C++ reduction is chosen by the codec), then
+        :meth:`receive` (``selected``: what :meth:`send` returned) where an optimizer direction
+        finishes the average. Returns the Future of ``bucket``."""
+        fut = reduce_bucket(runtime, index, bucket, x, self.layout, self.feedback(st),
+                            self.plan is not None, self.exact)
+        direction = self.config.direction
+        if direction is None:
+            return fut
+
+        def finish(f):
+            out = f.value()[0]
+            avg = out if out.dtype == torch.float32 else out.float()
+            self.receive(avg, st, selected)
+            if avg is not out:
+                out.copy_(avg)
+            direction.wrote_(out)
+            return [out]
+
+        return fut.then(finish)
 
     def reduce_in_memory(self, ranks: list, xs: list, states: list, outs: list) -> None:
         """Every rank's reduction of its ``xs[r]`` into ``outs[r]``, the collectives done in memory:
@@ -331,8 +361,8 @@ class Reporting:
 
 class ReducerState(Reporting):
     """What the DDP hook's and FSDP's states share: the settings, the step count, the traffic
-    counters, the C++ reduction (built at the first call), the non-finite guard, settling a
-    finished step, and pickling without the C++ objects."""
+    counters, the C++ reduction (built at the first call), the non-finite guard, the gradient clip,
+    beginning and ending a step, and pickling without the C++ objects."""
 
     def __init__(self, config: ReducerConfig):
         self.config = config
@@ -341,6 +371,23 @@ class ReducerState(Reporting):
         self._runtime = None  # torch.classes.gradzip.CompressedAllreduce, built at the first call
         self._guard = config.new_guard()
         self._guard_step = 0  # the step whose residual updates the guard holds
+        self._clip = config.new_clip()
+
+    def _begin_step(self) -> None:
+        """At each reduction: the first of a new step settles the previous one (every reduction of
+        it is complete) and begins the optimizer direction's step."""
+        if self._guard_step != self.step:
+            self._commit()
+            if self.config.direction is not None:
+                self.config.direction.begin_step_()
+
+    def _end_step(self) -> None:
+        """After a step's last reduction: its gradient norm and traffic are kept, the step count
+        advances."""
+        if self._clip is not None:
+            self._clip.end_step()
+        self._stats.end_step(self.step)
+        self.step += 1
 
     def _commit(self) -> None:
         """Settles the finished step (all of its reductions are complete: DDP waited for their

@@ -63,8 +63,6 @@ class SimulatedWorkers(Reporting):
         self._clips = [self.config.new_clip() for _ in range(self.world_size)]
         self._in_step = False  # a bucket of the current step has been reduced
         self._reductions = {}  # (plan, bucket_index, numels, rows, exact, device) -> one per rank
-        if optimizer is not None:
-            optimizer.attached = True
 
     @property
     def grad_norm(self) -> Optional[torch.Tensor]:

@@ -275,7 +275,7 @@ void radix_topk(Plan& p) {
 // kept indices below the next chunk's first), then every index's offset in its chunk; padding zero.
 void write_indices(const uint32_t* idx, uint64_t k, size_t n, const PayloadLayout& l,
                    char* payload) {
-  const uint64_t chunks = ceil_div(n, kTopkIndexChunk);
+  const uint64_t chunks = topk_index_chunks(n);
   auto* ends = reinterpret_cast<uint32_t*>(payload + l.section0);
   const uint32_t* from = idx;
   for (uint64_t c = 0; c < chunks; ++c) {

@@ -234,7 +234,7 @@ __global__ void __launch_bounds__(kThreads)
   // The zero padding after the ends and the offsets is written once, by block 0.
   constexpr uint32_t kTilesPerChunk = static_cast<uint32_t>(kTopkIndexChunk / kTile);
   auto* ends = reinterpret_cast<uint32_t*>(payload + l.section0);
-  const uint64_t chunks = ceil_div(n, kTopkIndexChunk);
+  const uint64_t chunks = topk_index_chunks(n);
   if (threadIdx.x == 0) {
     if (blockIdx.x % kTilesPerChunk == 0 && blockIdx.x > 0)
       ends[blockIdx.x / kTilesPerChunk - 1] = gt_before + (eq_before < need ? eq_before : need);

@@ -42,6 +42,9 @@ GZ_HD float topk_get_value(const void* values, uint64_t j, bool fp16) {
 
 }  // namespace element
 
+// The chunk ends a top-k payload of n elements holds: one per kTopkIndexChunk elements.
+GZ_HD constexpr uint64_t topk_index_chunks(uint64_t n) { return ceil_div(n, kTopkIndexChunk); }
+
 struct TopkCodec {
   static constexpr CodecKind kind = CodecKind::topk;
   static constexpr const char* spec_name = "topk";
@@ -56,7 +59,7 @@ struct TopkCodec {
   // to 16; k values.
   static GZ_HD constexpr PayloadLayout layout(uint64_t n, uint32_t k, bool fp16_values) {
     PayloadLayout l{};
-    l.section1 = align16(4 * ceil_div(n, kTopkIndexChunk));
+    l.section1 = align16(4 * topk_index_chunks(n));
     l.section2 = l.section1 + align16(2ull * k);
     l.bytes = l.section2 + (fp16_values ? 2ull : 4ull) * k;
     return l;
@@ -72,7 +75,7 @@ struct TopkCodec {
   // decreasing, a chunk holding at most its length, the last one k. The offsets are checked one
   // by one (check_index).
   static GZ_HD WireCheck check_padding(const WireHeader& h, const uint8_t* payload) {
-    const uint64_t chunks = ceil_div(h.count, kTopkIndexChunk);
+    const uint64_t chunks = topk_index_chunks(h.count);
     const PayloadLayout l = layout(h.count, h.param, false);
     for (uint64_t b = 4 * chunks; b < l.section1; ++b)
       if (payload[b] != 0) return {WireStatus::bad_padding, b};
@@ -105,7 +108,7 @@ struct TopkPosition {
   uint64_t chunk, chunk_start, index;
 };
 GZ_HD TopkPosition topk_position(const WireHeader& h, const uint8_t* payload, uint64_t j) {
-  uint64_t lo = 0, hi = ceil_div(h.count, kTopkIndexChunk) - 1;  // j < k: some chunk ends above j
+  uint64_t lo = 0, hi = topk_index_chunks(h.count) - 1;  // j < k: some chunk ends above j
   while (lo < hi) {
     const uint64_t mid = lo + (hi - lo) / 2;
     if (load_u32(payload + 4 * mid) > j) hi = mid; else lo = mid + 1;

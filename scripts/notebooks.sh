@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Executes every notebook in notebooks/ top to bottom (on the small result files in notebooks/data/),
 # so that they cannot rot. The executed copies go to $OUT (default build/notebooks); the notebooks
-# in the repository stay without outputs. Needs the gradzip package installed in the Python on PATH.
+# in the repository stay without outputs. Needs the gradzip package and the convergence harness
+# (bench/harness) installed in the Python on PATH.
 #   bash scripts/notebooks.sh [OUT]
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

@@ -40,4 +40,8 @@ fi
 # accelerate: a client the tests run (docs/guide.md's Hugging Face Accelerate example), pinned here
 # like the checkers, not an extra: gradzip does not import it.
 "$venv/bin/python" -m pip install -q "ruff==0.17.5" "accelerate==1.15.0" >&2
+# setuptools builds the convergence harness (bench/harness) without build isolation. A venv of
+# Python 3.12+ comes without it, 3.11's with one that would also need `wheel`; installed here, like
+# the tools above, so that requirements.txt (and with it the venv's name) stays as it is.
+"$venv/bin/python" -m pip install -q "setuptools==80.9.0" >&2
 echo "$venv"

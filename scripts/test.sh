@@ -11,8 +11,9 @@
 #      all-reduce over c10d from C++ alone (2 processes, ProcessGroupGloo; tests/torch)
 #   3. the C++ tests under AddressSanitizer + UndefinedBehaviorSanitizer
 #   4. libFuzzer: every decoder, the spec parser and a round trip, 60 s each (GRADZIP_FUZZ_SECONDS)
-#   5. the Python package (pip install of the torch extension) and pytest: ops, DDP hook on
-#      multi-process Gloo, convergence harness (incl. a cpu-smoke run), cost model, netns smoke
+#   5. the Python package (pip install of the torch extension) and the convergence harness
+#      (bench/harness), and pytest: ops, DDP hook on multi-process Gloo, the harness (incl. a
+#      cpu-smoke run), cost model, netns smoke
 #      (on a host with AVX-512, the training tests again as an AVX2 host computes them)
 #   6. the notebooks, executed top to bottom
 set -euo pipefail
@@ -51,8 +52,8 @@ bash scripts/sanitize.sh
 stage "libFuzzer, ${GRADZIP_FUZZ_SECONDS:-60} s per target"
 bash scripts/fuzz.sh "${GRADZIP_FUZZ_SECONDS:-60}"
 
-stage "Python: build + install the package (torch extension), pytest"
-python -m pip install -q --no-build-isolation .
+stage "Python: build + install the package (torch extension) and the harness, pytest"
+python -m pip install -q --no-build-isolation . ./bench/harness  # the library and the harness
 python -m pytest -q -rs tests/python
 
 # A claim about training (pytest -m training) holds on every x86 host, not just on this one: torch's

@@ -10,10 +10,10 @@ import statistics
 import sys
 from pathlib import Path
 
-from gradzip.converge.compression import BASELINE
-from gradzip.converge.report import TAIL, eval_curves, tail_vs_fp32
-from gradzip.converge.tasks import DEPTH, LANGUAGE
-from gradzip.converge.training import read_jsonl
+from gradzip_converge.compression import BASELINE
+from gradzip_converge.report import TAIL, eval_curves, tail_vs_fp32
+from gradzip_converge.tasks import DEPTH, LANGUAGE
+from gradzip_converge.training import read_jsonl
 
 
 def table(folder: Path) -> str:

@@ -5,7 +5,7 @@ report.
   driver.py single --json OUT ...                                  the step with no communication
   driver.py report --dir DIR --rate 1gbit [--delay 1ms]          results.csv / results.md
 
-Every rank trains the same gradzip.converge model (ViT/14 + DPT head) on procedural RGB-D scenes
+Every rank trains the same gradzip_converge model (ViT/14 + DPT head) on procedural RGB-D scenes
 with SILog and AdamW for --warmup + --steps steps and records the wall time of each step (forward,
 backward including DDP's communication, optimizer) and the bytes its interface sent during the
 timed steps (the kernel's counter: real bytes on the wire, TCP/IP and Ethernet headers included).
@@ -66,12 +66,12 @@ def parse_delay_s(delay: str) -> float:
 
 def make_batches(args, rank: int, world: int, count: int):
     """``count`` batches of this rank, each a function of the model that returns its loss."""
-    from gradzip.converge.char_lm import LM_CONFIGS
+    from gradzip_converge.char_lm import LM_CONFIGS
 
     if args.model in LM_CONFIGS:
         return lm_batches(args, rank, world, count)
-    from gradzip.converge.losses import silog_loss
-    from gradzip.converge.scenes import SceneConfig, render_scene
+    from gradzip_converge.losses import silog_loss
+    from gradzip_converge.scenes import SceneConfig, render_scene
 
     cfg = SceneConfig(height=args.size, width=args.size)
     batches = []
@@ -86,9 +86,9 @@ def make_batches(args, rank: int, world: int, count: int):
 
 def lm_batches(args, rank: int, world: int, count: int):
     """The language model's batches: the harness's text (cpu-lm's), the harness's windows."""
-    from gradzip.converge.tasks import task_of
-    from gradzip.converge.text import STDLIB_DOCSTRINGS
-    from gradzip.converge.training import RunConfig, batch_indices, load_data
+    from gradzip_converge.tasks import task_of
+    from gradzip_converge.text import STDLIB_DOCSTRINGS
+    from gradzip_converge.training import RunConfig, batch_indices, load_data
 
     cfg = RunConfig(model=args.model, data=STDLIB_DOCSTRINGS, workers=world,
                     batch_per_worker=args.batch, seed=args.seed)
@@ -102,7 +102,7 @@ def lm_batches(args, rank: int, world: int, count: int):
 
 
 def build(args):
-    from gradzip.converge.zoo import build as build_model
+    from gradzip_converge.zoo import build as build_model
 
     torch.manual_seed(args.seed)
     return build_model(args.model)

@@ -19,7 +19,8 @@
 # DIR/results.md (with the cost model's predictions beside the measurements), DIR/costmodel.csv,
 # per-rank JSON in DIR/raw and logs in DIR/logs. The namespaces are removed on any exit
 # (success, failure, Ctrl-C, TERM). Needs root, ip and tc (iproute2); exits 2 without them.
-# Runs the installed `gradzip` package with $PYTHON (default: python3 on PATH).
+# Runs the installed `gradzip` and `gradzip_converge` (bench/harness) packages with $PYTHON (default:
+# python3 on PATH).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 
@@ -56,8 +57,8 @@ for v in size batch steps warmup threads time_limit; do
 done
 
 # --- requirements: clear messages, exit 2 ---------------------------------------------------------
-"$python" -c "import torch, gradzip.converge.models" 2>/dev/null ||
-  die "$python cannot import torch and gradzip.converge (install gradzip into this Python, or set PYTHON)"
+"$python" -c "import torch, gradzip_converge.models" 2>/dev/null ||
+  die "$python cannot import torch and gradzip_converge (install gradzip and bench/harness into this Python, or set PYTHON)"
 "$python" "$here/driver.py" check-hooks "$hooks" || die "bad --hooks $hooks"
 if [[ ",$hooks," =~ ,(bf16|fp16|fp32|int8|sign|topk)[:,] ]]; then
   "$python" -c "import gradzip.ddp" 2>/dev/null ||

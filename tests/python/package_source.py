@@ -1,21 +1,24 @@
-"""The gradzip package's source read with ast, nothing imported: its modules, and what each one
-imports anywhere in the file (inside functions too), relative imports made absolute."""
+"""The source of the gradzip package and of the convergence harness (gradzip_converge, a
+distribution of its own) read with ast, nothing imported: their modules, and what each one imports
+anywhere in the file (inside functions too), relative imports made absolute."""
 
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGE = ROOT / "bindings" / "python" / "gradzip"
+PACKAGES = {"gradzip": ROOT / "bindings" / "python" / "gradzip",
+            "gradzip_converge": ROOT / "bench" / "harness" / "gradzip_converge"}
 
 
 def modules() -> dict[str, tuple[Path, ast.Module]]:
     """Dotted module name (a package by its __init__.py) -> (path, syntax tree)."""
     found = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
-        if parts[-1] == "__init__":
-            parts = parts[:-1]
-        found[".".join(parts)] = (path, ast.parse(path.read_text(), str(path)))
+    for package in PACKAGES.values():
+        for path in sorted(package.rglob("*.py")):
+            parts = path.relative_to(package.parent).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join(parts)] = (path, ast.parse(path.read_text(), str(path)))
     return found
 
 

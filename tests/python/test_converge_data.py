@@ -7,11 +7,11 @@ import pytest
 import torch
 from PIL import Image
 
-from gradzip.converge import scenes
-from gradzip.converge.datasets import (DepthFolder, KittiDepth, NYUDepthV2Labeled,
+from gradzip_converge import scenes
+from gradzip_converge.datasets import (DepthFolder, KittiDepth, NYUDepthV2Labeled,
                                        ProceduralDepth, materialize, open_dataset,
                                        read_depth_png, resize_sample, write_depth_png)
-from gradzip.converge.training import RunConfig, load_data
+from gradzip_converge.training import RunConfig, load_data
 
 SMALL = scenes.SceneConfig(height=30, width=40, raw="holes")
 

@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from converge_util import Interrupt, stop_at
-from gradzip.converge import report
-from gradzip.converge.char_lm import LM_CONFIGS, VOCAB, CharLM
-from gradzip.converge.output import summarise
-from gradzip.converge.provenance import code_hash
-from gradzip.converge.suites import get_suite
-from gradzip.converge.tasks import DEPTH, LANGUAGE, STRIDE, task_of, windows
-from gradzip.converge.text import STDLIB_DOCSTRINGS, docstring_text, fingerprint, load_text
-from gradzip.converge.training import (RunConfig, RunFiles, batch_indices, compress_warmup_steps,
+from gradzip_converge import report
+from gradzip_converge.char_lm import LM_CONFIGS, VOCAB, CharLM
+from gradzip_converge.output import summarise
+from gradzip_converge.provenance import code_hash
+from gradzip_converge.suites import get_suite
+from gradzip_converge.tasks import DEPTH, LANGUAGE, STRIDE, task_of, windows
+from gradzip_converge.text import STDLIB_DOCSTRINGS, docstring_text, fingerprint, load_text
+from gradzip_converge.training import (RunConfig, RunFiles, batch_indices, compress_warmup_steps,
                                        load_data, make_model, optimizer_name, read_jsonl,
                                        train_simulated)
 

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from converge_util import Interrupt, stop_at
-from gradzip.converge.cli import main
-from gradzip.converge.compression import Reducer
-from gradzip.converge.local_training import train_local
-from gradzip.converge.suites import get_suite
-from gradzip.converge.text import STDLIB_DOCSTRINGS
-from gradzip.converge.training import (RunConfig, RunFiles, load_data, make_model, optimizer_name,
+from gradzip_converge.cli import main
+from gradzip_converge.compression import Reducer
+from gradzip_converge.local_training import train_local
+from gradzip_converge.suites import get_suite
+from gradzip_converge.text import STDLIB_DOCSTRINGS
+from gradzip_converge.training import (RunConfig, RunFiles, load_data, make_model, optimizer_name,
                                        read_jsonl)
 
 TINY = RunConfig(model="lm-t", data=STDLIB_DOCSTRINGS, workers=2, batch_per_worker=2, steps=8,

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from gradzip.converge.losses import silog_loss
-from gradzip.converge.metrics import NAMES, MetricAccumulator, image_metrics
+from gradzip_converge.losses import silog_loss
+from gradzip_converge.metrics import NAMES, MetricAccumulator, image_metrics
 
 
 def test_one_image_by_hand():

@@ -5,12 +5,12 @@ from safetensors.torch import save_file
 
 import torch.nn.functional as F
 
-from gradzip.converge.conv_depth import ConvDepthModel
-from gradzip.converge.models import (CONFIGS, ViTEncoder, build_model, count_parameters, get_config,
+from gradzip_converge.conv_depth import ConvDepthModel
+from gradzip_converge.models import (CONFIGS, ViTEncoder, build_model, count_parameters, get_config,
                                      resize_separable)
-from gradzip.converge.tasks import task_of
-from gradzip.converge.weights import WeightLoadError, load_encoder_weights
-from gradzip.converge.zoo import build
+from gradzip_converge.tasks import task_of
+from gradzip_converge.weights import WeightLoadError, load_encoder_weights
+from gradzip_converge.zoo import build
 
 
 def test_vitl14_encoder_is_dinov2_sized():

@@ -4,17 +4,21 @@ lines off a terminal and its Ctrl-C, the DDP mode under torchrun."""
 import csv
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from dist_util import free_port
 from converge_util import Interrupt, stop_at
-from gradzip.converge.training import (RunConfig, RunFiles, compress_warmup_steps, load_data,
+from gradzip_converge import provenance
+from gradzip_converge.training import (RunConfig, RunFiles, compress_warmup_steps, load_data,
                                        lr_factor, optimizer_name, read_jsonl, train_simulated)
 
 TINY = RunConfig(model="vit-t14", image_size=28, workers=2, batch_per_worker=2, steps=8,
@@ -165,9 +169,30 @@ def test_result_under_another_code_version_is_redone(tmp_path):
     assert len(read_jsonl(files.steps)) == 4  # the stale run's log lines are gone
 
 
+def test_code_hash_covers_the_library_and_the_harness(tmp_path, monkeypatch):
+    """The code part of the key is both packages: copies of them hash alike, and a change to a .py
+    file of either one changes it."""
+    import gradzip
+
+    copies = {}
+    for name, src in (("gradzip", gradzip.__file__), ("gradzip_converge", provenance.__file__)):
+        copies[name] = shutil.copytree(Path(src).parent, tmp_path / name,
+                                       ignore=shutil.ignore_patterns("__pycache__"))
+    here = provenance.code_hash()
+    monkeypatch.setattr(provenance, "gradzip",
+                        SimpleNamespace(__file__=str(copies["gradzip"] / "__init__.py")))
+    monkeypatch.setattr(provenance, "__file__", str(copies["gradzip_converge"] / "provenance.py"))
+    seen = [provenance.code_hash()]
+    assert seen == [here]
+    for changed in (copies["gradzip"] / "wire.py", copies["gradzip_converge"] / "suites.py"):
+        changed.write_text(changed.read_text() + "# changed\n")
+        seen.append(provenance.code_hash())
+    assert len(set(seen)) == 3
+
+
 def _cli(args, timeout=600, env_extra=None):
     env = dict(os.environ, **(env_extra or {}))
-    return subprocess.run([sys.executable, "-m", "gradzip.converge", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "gradzip_converge", *args], capture_output=True,
                           text=True, timeout=timeout, env=env)
 
 
@@ -268,7 +293,7 @@ def test_ctrl_c_keeps_finished_runs_and_exits_130_without_traceback(tmp_path):
     """Ctrl-C (SIGINT to the process group, as a terminal sends it) during two parallel jobs: one
     line saying how to resume, exit code 130, no traceback from the pool's workers, no leaked
     semaphores."""
-    cmd = [sys.executable, "-m", "gradzip.converge", "--suite", "cpu-smoke", "--out", str(tmp_path),
+    cmd = [sys.executable, "-m", "gradzip_converge", "--suite", "cpu-smoke", "--out", str(tmp_path),
            "--jobs", "2"]
     # SIGINT at its default in the child: a test run from a background job inherits it ignored,
     # and Python then installs no KeyboardInterrupt handler
@@ -303,7 +328,7 @@ def test_cli_errors_are_clear(tmp_path):
                                             ("fsdp", ["--param-codec", "int8"])])
 def test_distributed_modes_under_torchrun(tmp_path, strategy, extra):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", str(free_port()), "-m", "gradzip.converge", "--strategy", strategy,
+           "--master-port", str(free_port()), "-m", "gradzip_converge", "--strategy", strategy,
            "--suite", "cpu-smoke",
            "--out", str(tmp_path), "--steps", "4", "--quiet"] + extra
     # own session: on a timeout the whole group (torchrun and its ranks) is killed, not orphaned
@@ -327,8 +352,8 @@ def test_distributed_modes_under_torchrun(tmp_path, strategy, extra):
 def test_optimizer_and_warmup_options_reach_the_runs_that_do_not_set_them():
     """--optimizer and --compress-warmup set the runs of a codec spec (and the suite's runs without
     settings of their own); the run names say so."""
-    from gradzip.converge.cli import overrides, parse_args, select
-    from gradzip.converge.suites import get_suite
+    from gradzip_converge.cli import overrides, parse_args, select
+    from gradzip_converge.suites import get_suite
 
     args = parse_args(["--suite", "cpu-recipes", "--out", "x", "--optimizer",
                        "frozen-variance-adamw", "--compress-warmup", "7",

@@ -6,7 +6,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dist_util import run_ranks
-from gradzip.converge.compression import Reducer, baseline_or_codec, bucket_bounds
+from gradzip_converge.compression import Reducer, baseline_or_codec, bucket_bounds
 from gradzip.wire import MIN_COMPRESS_NUMEL
 
 N = 20011  # one parameter, odd size: one DDP bucket, shards of unequal size
@@ -99,8 +99,8 @@ def test_uncompressed_tensors_per_run():
     average is the fp32 sum of g / 2, its bytes counted) and names the run."""
     from dataclasses import replace
 
-    from gradzip.converge.cli import overrides, parse_args
-    from gradzip.converge.training import RunConfig
+    from gradzip_converge.cli import overrides, parse_args
+    from gradzip_converge.training import RunConfig
 
     shapes = [(100, 50), (70,)]  # a bias of 64 elements or more: compressed without the option
     gs = [torch.randn(5070, generator=torch.Generator().manual_seed(r)) for r in range(2)]

@@ -1,12 +1,16 @@
-"""gradzip's modules import each other without cycles (imports inside functions included)."""
+"""gradzip's modules and the convergence harness's import each other without cycles (imports
+inside functions included); the gradzip package holds the library alone."""
 
 from __future__ import annotations
 
-from package_source import imports, modules
+import importlib
+import importlib.util
+
+from package_source import PACKAGES, imports, modules
 
 
 def known_prefix(name: str, known) -> str | None:
-    """The longest dotted prefix of ``name`` that is one of gradzip's modules."""
+    """The longest dotted prefix of ``name`` that is one of the modules."""
     parts = name.split(".")
     for n in range(len(parts), 0, -1):
         if ".".join(parts[:n]) in known:
@@ -15,13 +19,13 @@ def known_prefix(name: str, known) -> str | None:
 
 
 def import_graph() -> dict[str, set[str]]:
-    """Module -> the gradzip modules it imports. ``from pkg import x`` is an edge to pkg.x where
-    that is a module, else to pkg."""
+    """Module -> the modules (of gradzip and the harness) it imports. ``from pkg import x`` is an
+    edge to pkg.x where that is a module, else to pkg."""
     mods = modules()
     graph = {name: set() for name in mods}
     for name, (path, tree) in mods.items():
         for base, names, _ in imports(name, path, tree):
-            if base.partition(".")[0] != "gradzip":
+            if base.partition(".")[0] not in PACKAGES:
                 continue
             for target in [f"{base}.{n}" for n in names] if names else [base]:
                 dst = target if target in mods else known_prefix(base, mods)
@@ -61,13 +65,21 @@ def test_cycle_finder():
 
 def test_graph_sees_lazy_and_relative_imports():
     g = import_graph()
-    assert "gradzip.converge.training" in g["gradzip.converge.cli"]  # from .training import ...
-    assert "gradzip.optim" in g["gradzip.converge.training"]  # from ..optim import ...
-    assert "gradzip.simulation" in g["gradzip.converge.compression"]  # inside a function
-    assert "gradzip.converge.report" in g["gradzip.converge.output"]  # from . import report
+    assert "gradzip_converge.training" in g["gradzip_converge.cli"]  # from .training import ...
+    assert "gradzip.optim" in g["gradzip_converge.training"]  # from gradzip.optim import ...
+    assert "gradzip.simulation" in g["gradzip_converge.compression"]  # inside a function
+    assert "gradzip_converge.report" in g["gradzip_converge.output"]  # from . import report
     assert "gradzip.costmodel" in g["gradzip.costmodel_cli"]  # from gradzip import costmodel
+    assert "gradzip_converge.zoo" in g["gradzip.costmodel_cli"]  # the harness's models
 
 
 def test_no_import_cycles():
     cycle = find_cycle(import_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_gradzip_package_is_the_library_alone():
+    """The harness is a distribution of its own (bench/harness): `pip install gradzip` does not
+    ship it, and it imports as gradzip_converge."""
+    assert importlib.util.find_spec("gradzip.converge") is None
+    assert importlib.import_module("gradzip_converge.cli").main

@@ -165,8 +165,8 @@ def test_cost_model_counts_two_allreduces():
 
 
 def test_convergence_harness_accepts_lowrank():
-    from gradzip.converge.cli import select
-    from gradzip.converge.suites import get_suite
+    from gradzip_converge.cli import select
+    from gradzip_converge.suites import get_suite
 
     suite = get_suite("cpu-smoke")
     runs = select(suite.configs(), "lowrank:2", suite.base)

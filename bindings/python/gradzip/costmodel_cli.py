@@ -18,9 +18,16 @@ from gradzip import costmodel as cm
 
 
 def model_shapes(name: str) -> list[tuple[int, ...]]:
-    """Parameter shapes of a gradzip.converge model, built on the meta device (no memory)."""
+    """Parameter shapes of a model of the convergence harness, built on the meta device (no
+    memory). The harness is a distribution of its own (gradzip-converge, bench/harness)."""
     import torch
-    from gradzip.converge.zoo import build
+    try:
+        from gradzip_converge.zoo import build
+    except ModuleNotFoundError as e:
+        if e.name != "gradzip_converge":
+            raise
+        raise ImportError("the models come with the convergence harness: pip install "
+                          "./bench/harness in a gradzip checkout") from None
 
     with torch.device("meta"):
         model = build(name)
@@ -41,7 +48,7 @@ def _floats(text: str) -> list[float]:
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m gradzip.costmodel", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="vit-l14", help="gradzip.converge config (default vit-l14)")
+    ap.add_argument("--model", default="vit-l14", help="a convergence-harness model (default vit-l14)")
     ap.add_argument("--params", type=float, help="instead of --model: a flat model of N params")
     ap.add_argument("--workers", default="8,64,256,1024", help="world sizes, comma-separated")
     ap.add_argument("--gbps", default="10,25,100,400", help="link rates in Gbit/s")

@@ -8,14 +8,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from .._extras import require
 from .scenes import SceneConfig, render_scene
-
-np = require("numpy", "converge")
 
 IMAGE_EXTS = (".png", ".jpg", ".jpeg")
 
@@ -50,7 +48,7 @@ def resize_sample(sample: dict, size: tuple[int, int]) -> dict:
 
 def read_depth_png(path: str | Path, scale: float) -> np.ndarray:
     """16-bit PNG -> float32 metres (value / scale; 0 stays 0 = missing)."""
-    Image = require("PIL.Image", "converge")
+    from PIL import Image
 
     with Image.open(path) as im:
         a = np.array(im)
@@ -63,7 +61,7 @@ def read_depth_png(path: str | Path, scale: float) -> np.ndarray:
 
 def write_depth_png(path: str | Path, depth: np.ndarray, scale: float) -> None:
     """float metres -> 16-bit PNG of round(depth * scale); out-of-range values raise."""
-    Image = require("PIL.Image", "converge")
+    from PIL import Image
 
     q = np.round(np.nan_to_num(np.asarray(depth, np.float64), nan=0.0) * scale)
     if q.min() < 0 or q.max() > 65535:
@@ -72,7 +70,7 @@ def write_depth_png(path: str | Path, depth: np.ndarray, scale: float) -> None:
 
 
 def read_rgb(path: str | Path) -> np.ndarray:
-    Image = require("PIL.Image", "converge")
+    from PIL import Image
 
     with Image.open(path) as im:
         return np.array(im.convert("RGB"))
@@ -115,7 +113,7 @@ class NYUDepthV2Labeled(Dataset):
     """
 
     def __init__(self, path: str | Path, indices=None, raw: bool = False):
-        h5py = require("h5py", "converge")
+        import h5py
 
         self.path, self.raw = Path(path), raw
         try:
@@ -137,7 +135,7 @@ class NYUDepthV2Labeled(Dataset):
         return len(self.indices)
 
     def __getitem__(self, i: int) -> dict:
-        h5py = require("h5py", "converge")
+        import h5py
 
         if self._file is None:
             self._file = h5py.File(self.path, "r")

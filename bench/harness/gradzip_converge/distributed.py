@@ -2,7 +2,7 @@
 (``--strategy ddp``), or FSDP2 (``fully_shard`` on every transformer block and the root) with
 gradzip's compressed reduce-scatter (``--strategy fsdp``, :mod:`gradzip.fsdp`).
 
-    torchrun --nproc-per-node 4 -m gradzip.converge --strategy ddp --suite cpu-default --out DIR
+    torchrun --nproc-per-node 4 -m gradzip_converge --strategy ddp --suite cpu-default --out DIR
 
 One rank per worker (the suite's worker count becomes the world size); rank w trains on shard w
 of the step's global batch, exactly the shard simulated worker w gets, so the modes run the
@@ -172,7 +172,7 @@ def train_distributed(cfg: RunConfig, out: Path, data, device, strategy, progres
 def main_distributed(args, suite, configs: list[RunConfig], device: torch.device) -> int:
     if "RANK" not in os.environ:
         raise SystemExit(f"--strategy {args.strategy} runs under torchrun, e.g. torchrun "
-                         f"--nproc-per-node 4 -m gradzip.converge --strategy {args.strategy} "
+                         f"--nproc-per-node 4 -m gradzip_converge --strategy {args.strategy} "
                          "--suite cpu-smoke --out DIR")
     strategy = STRATEGIES[args.strategy]
     backend = "nccl" if device.type == "cuda" else "gloo"

@@ -14,7 +14,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .._extras import require
 from .models import resize_pos_embed
 
 # DINOv2 keys we knowingly drop: the masked-image-modelling token is unused for dense prediction.
@@ -32,7 +31,8 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     if not path.is_file():
         raise WeightLoadError(f"{path}: no such file")
     if path.suffix == ".safetensors":
-        load_file = require("safetensors.torch", "converge").load_file
+        from safetensors.torch import load_file
+
         sd = load_file(str(path), device="cpu")
     elif path.suffix in (".pth", ".pt", ".bin"):
         sd = torch.load(path, map_location="cpu", weights_only=True)

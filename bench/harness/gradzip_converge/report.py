@@ -13,7 +13,6 @@ import csv
 import statistics
 from pathlib import Path
 
-from .._extras import require
 from .compression import BASELINE
 from .tasks import Task
 from .training import read_jsonl
@@ -251,7 +250,7 @@ def _by_run(recs: list[dict]) -> dict[str, list[list[dict]]]:
 
 def _band(ax, x, ys, label: str):
     """Mean over seeds (rows of ys) as a line, ± one standard deviation as a band."""
-    np = require("numpy", "converge")
+    import numpy as np
 
     ys = np.asarray(ys, dtype=float)
     m = ys.mean(0)
@@ -262,9 +261,10 @@ def _band(ax, x, ys, label: str):
 
 
 def plot(out: Path, agg: list[dict], task: Task) -> list[Path]:
-    matplotlib = require("matplotlib", "converge")
+    import matplotlib
+
     matplotlib.use("Agg")
-    plt = require("matplotlib.pyplot", "converge")
+    import matplotlib.pyplot as plt
 
     key = task.headline
     paths = [out / f"{key}_vs_bytes.png", out / "loss_curves.png", out / "steps_to_target.png"]

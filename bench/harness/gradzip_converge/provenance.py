@@ -12,12 +12,14 @@ import gradzip
 
 
 def code_hash() -> str:
-    """SHA-256 (16 hex digits) of every .py file of the gradzip package and its compiled ops."""
-    root = Path(gradzip.__file__).resolve().parent
+    """SHA-256 (16 hex digits) of every .py file of the gradzip package and its compiled ops, and
+    of every .py file of this harness: a result depends on the library and on the harness."""
     h = hashlib.sha256()
-    for p in sorted(root.rglob("*.py")) + sorted(root.glob("_gradzip_ops*.so")):
-        h.update(p.relative_to(root).as_posix().encode() + b"\0")  # a rename changes the code too
-        h.update(p.read_bytes())
+    for root in (Path(gradzip.__file__).resolve().parent, Path(__file__).resolve().parent):
+        for p in sorted(root.rglob("*.py")) + sorted(root.glob("_gradzip_ops*.so")):
+            # named from its package on: a rename, also into the other package, changes the code
+            h.update(Path(root.name, p.relative_to(root)).as_posix().encode() + b"\0")
+            h.update(p.read_bytes())
     return h.hexdigest()[:16]
 
 

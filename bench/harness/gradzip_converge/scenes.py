@@ -15,9 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .._extras import require
-
-np = require("numpy", "converge")
+import numpy as np
 
 _EPS = 1e-6
 

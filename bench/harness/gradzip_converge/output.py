@@ -1,4 +1,4 @@
-"""What the two modes of ``python -m gradzip.converge`` share (simulated workers in cli, real
+"""What the two modes of ``python -m gradzip_converge`` share (simulated workers in cli, real
 DDP in distributed): the progress bar, the output folder's suite.json, clearing earlier results,
 and the summary written and printed at the end."""
 from __future__ import annotations
@@ -11,7 +11,6 @@ from pathlib import Path
 
 import torch
 
-from .._extras import require
 from . import report
 from .provenance import environment
 from .tasks import task_of
@@ -32,7 +31,9 @@ class Progress:
         self.lines = not quiet and not sys.stdout.isatty()
         self.bar = None
         if not quiet and not self.lines:
-            self.bar = require("tqdm", "converge").tqdm(
+            from tqdm import tqdm
+
+            self.bar = tqdm(
                 total=cfg.steps, desc=self.name, unit="step", dynamic_ncols=True, file=sys.stderr)
         self.say(f"training, {cfg.steps} steps")
 

@@ -19,8 +19,9 @@ import math
 
 import torch
 
-from ..costmodel import FIRST_BUCKET_BYTES, ddp_buckets
-from ..wire import MIN_COMPRESS_NUMEL  # CompressionState's default: tiny buckets stay uncompressed
+from gradzip.costmodel import FIRST_BUCKET_BYTES, ddp_buckets
+# CompressionState's default: tiny buckets stay uncompressed
+from gradzip.wire import MIN_COMPRESS_NUMEL
 
 BASELINE = "fp32"
 NEVER_COMPRESS = 1 << 62  # a min_compress_numel no bucket reaches: the baseline runs

@@ -27,9 +27,10 @@ from pathlib import Path
 
 import torch
 
-from ..local_steps import OUTER_LR, OUTER_MOMENTUM
-from ..optim import CompressedSGD, FrozenVarianceAdamW
-from ..optim import compresses_direction as recipe
+from gradzip.local_steps import OUTER_LR, OUTER_MOMENTUM
+from gradzip.optim import CompressedSGD, FrozenVarianceAdamW
+from gradzip.optim import compresses_direction as recipe
+
 from .compression import BASELINE, Reducer, canonical_codec
 from .provenance import environment
 from .tasks import task_of

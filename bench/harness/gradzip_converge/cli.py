@@ -1,4 +1,4 @@
-"""``python -m gradzip.converge --suite NAME --out DIR``: train every codec of a suite, report.
+"""``python -m gradzip_converge --suite NAME --out DIR``: train every codec of a suite, report.
 
 Finished runs are skipped and an interrupted run resumes from its last checkpoint when the same
 command is run again (a run whose settings, code or environment changed starts over; see
@@ -20,7 +20,6 @@ from pathlib import Path
 
 import torch
 
-from .._extras import require
 from .output import Progress, clear_results, summarise, write_suite_json
 from .local_training import train_local
 from .suites import SUITES, get_suite
@@ -29,7 +28,7 @@ from .training import (OPTIMIZERS, RunConfig, RunFiles, data_key, load_data, set
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m gradzip.converge", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m gradzip_converge", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--suite", default="cpu-default", help=f"one of: {', '.join(SUITES)}")
     p.add_argument("--out", type=Path, help="output folder (results, checkpoints, plots)")
@@ -216,8 +215,9 @@ def _main(argv=None) -> int:
     if args.param_codec and args.strategy != "fsdp":
         raise SystemExit("--param-codec applies to --strategy fsdp (FSDP's parameter all-gather)")
     args.argv = sys.argv[1:] if argv is None else list(argv)
-    require("tqdm", "converge")  # the progress bars and the plots: if missing, fail before training
-    require("matplotlib", "converge")
+    # the progress bars and the plots: if one is missing, fail before training
+    import matplotlib  # noqa: F401
+    import tqdm  # noqa: F401
     suite = get_suite(args.suite)
     configs = with_seeds(select(suite.configs(**overrides(args)), args.codecs,
                                 replace(suite.base, **overrides(args))), args.seeds)

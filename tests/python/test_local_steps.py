@@ -3,6 +3,7 @@
 resume), its errors, and the multi-rank sync equal to the simulation on real Gloo ranks."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -98,6 +99,45 @@ def test_compressed_sync_error_feedback_keeps_the_sum():
     torch.testing.assert_close(moved + residual, true_sum, rtol=0, atol=1e-5)  # ... and kept it
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_residual_decay_against_float64(world):
+    """SparseLoCo's error feedback as momentum, with top-k (fp32 values, all-gathered: the average
+    is the sum of what every replica sent), outer_lr 1 and no momentum: each sync sends, per
+    replica, the k largest of c = outer gradient / W + e, the anchor moves by the sum of what was
+    sent, and e = beta * (c - sent), in float64 over five syncs."""
+    beta, ratio = 0.8, 0.05
+    replicas = make_replicas(world, seed=4)
+    outer = SimulatedLocalSteps(replicas, f"topk:{ratio}", sync_every=1, outer_lr=1.0,
+                                outer_momentum=0.0, nesterov=False, min_compress_numel=0,
+                                residual_decay=beta)
+
+    def flat(params):
+        return torch.cat([p.detach().double().reshape(-1) for p in params])
+
+    anchor = flat(replicas[0])
+    n = anchor.numel()
+    k = math.ceil(ratio * n)  # one bucket
+    residuals = [torch.zeros(n, dtype=torch.float64) for _ in range(world)]
+    g = torch.Generator().manual_seed(5)
+    for _ in range(5):
+        local_moves(replicas, g, scale=0.1)
+        avg = torch.zeros(n, dtype=torch.float64)
+        for r in range(world):
+            c = (anchor - flat(replicas[r])) / world + residuals[r]
+            sent = torch.zeros_like(c)
+            keep = c.abs().argsort(descending=True)[:k]
+            sent[keep] = c[keep]
+            avg += sent
+            residuals[r] = beta * (c - sent)
+        anchor = anchor - avg
+        assert outer.step()
+        for r in range(world):
+            torch.testing.assert_close(flat(replicas[r]), anchor, rtol=0, atol=1e-5)
+            torch.testing.assert_close(torch.cat([t.double() for t in outer.reduction.residuals(r)]),
+                                       residuals[r], rtol=0, atol=1e-6)
+    assert residuals[0].abs().max() > 1e-2  # top-k left something to decay
+
+
 def test_resume_is_exact():
     world, H = 2, 2
     first = make_replicas(world, seed=4)
@@ -134,6 +174,10 @@ def test_bad_settings_and_diverged_replicas_are_refused():
         SimulatedLocalSteps(replicas, "int8", sync_every=0)
     with pytest.raises(ValueError, match="nesterov"):
         SimulatedLocalSteps(replicas, "int8", outer_momentum=0.0)
+    with pytest.raises(ValueError, match="residual_decay"):
+        SimulatedLocalSteps(replicas, "int8", residual_decay=0.0)
+    with pytest.raises(ValueError, match="error_feedback"):
+        SimulatedLocalSteps(replicas, "int8", residual_decay=0.9, error_feedback=False)
     with pytest.raises(ValueError, match="codec|spec"):
         SimulatedLocalSteps(replicas, "int9")
     other = make_replicas(2, seed=9)
@@ -151,7 +195,7 @@ def test_bad_settings_and_diverged_replicas_are_refused():
         SimulatedLocalSteps(make_replicas(2), "int8", sync_every=3).load_state_dict(state)
 
 
-def _ranks_match_the_simulation(rank, world, codec, result):
+def _ranks_match_the_simulation(rank, world, codec, decay):
     import torch.distributed as dist
 
     replicas = make_replicas(world, seed=6)
@@ -160,10 +204,11 @@ def _ranks_match_the_simulation(rank, world, codec, result):
         with torch.no_grad():
             for p in mine:
                 p.add_(1.0)
-    outer = LocalSteps(mine, codec, sync_every=2, bucket_cap_mb=1e-3, min_compress_numel=0)
+    outer = LocalSteps(mine, codec, sync_every=2, bucket_cap_mb=1e-3, min_compress_numel=0,
+                       residual_decay=decay)
     sim_replicas = make_replicas(world, seed=6)
     sim = SimulatedLocalSteps(sim_replicas, codec, sync_every=2, bucket_cap_mb=1e-3,
-                              min_compress_numel=0)
+                              min_compress_numel=0, residual_decay=decay)
     g = torch.Generator().manual_seed(7)
     for _ in range(6):
         local_moves(sim_replicas, g)
@@ -185,7 +230,12 @@ def _ranks_match_the_simulation(rank, world, codec, result):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_ranks_end_each_sync_identical_and_equal_to_the_simulation(world):
-    run_ranks(_ranks_match_the_simulation, world, "int8", None)
+    run_ranks(_ranks_match_the_simulation, world, "int8", 1.0)
+
+
+def test_ranks_with_residual_decay_equal_the_simulation():
+    """The residuals the DDP state keeps decay as the simulation's: top-k, whose residual is large."""
+    run_ranks(_ranks_match_the_simulation, 2, "topk:0.05", 0.8)
 
 
 

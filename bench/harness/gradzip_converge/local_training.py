@@ -52,6 +52,7 @@ def train_local(cfg: RunConfig, out: Path, data: tuple[dict, dict], device: torc
     outer = SimulatedLocalSteps(params, cfg.codec, sync_every=cfg.local_steps,
                                 outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum,
                                 nesterov=cfg.outer_momentum > 0, cast_sum=cfg.cast_sum,
+                                residual_decay=cfg.residual_decay,
                                 bucket_cap_mb=cfg.bucket_cap_mb,
                                 **baseline_or_codec(cfg.codec, cfg.error_feedback))
     raw_bytes = fp32_step_bytes([p.numel() for p in params[0]], cfg.workers, cfg.bucket_cap_mb)

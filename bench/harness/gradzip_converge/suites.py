@@ -109,12 +109,16 @@ TOPK_STUDY = (("fp32", False), ("topk:0.01:values=fp16", True),
 # (bench/RESULTS.md); DiLoCo's own (outer Nesterov SGD 0.7 / 0.9) is the first local row.
 CPU_LM_LOCAL = replace(CPU_LM, eval_every=25)
 AVERAGING = {"outer_lr": 1.0, "outer_momentum": 0.0, "lr": 4e-3}
+# SparseLoCo's error feedback as momentum: the outer residual decays by 0.95 after each sync.
+SPARSELOCO = {"residual_decay": 0.95}
 LOCAL_STUDY = (("fp32", False), ("bf16", False), ("lowrank:4", True),
                ("int8", True, {"local_steps": 10}),
                ("int8", True, {"local_steps": 10, **AVERAGING}),
                ("int8", True, {"local_steps": 50, **AVERAGING}),
                ("sign", True, {"local_steps": 10, **AVERAGING}),
-               ("topk:0.02:values=fp16", True, {"local_steps": 10, **AVERAGING}))
+               ("topk:0.02:values=fp16", True, {"local_steps": 10, **AVERAGING}),
+               ("topk:0.02:values=fp16", True, {"local_steps": 10, **AVERAGING, **SPARSELOCO}),
+               ("sign", True, {"local_steps": 10, **AVERAGING, **SPARSELOCO}))
 # The outer settings and learning rates tried on seed 0 before cpu-lm-local's were chosen: H 1 to
 # 50, DiLoCo's Nesterov outer SGD and plain averaging, outer momentum and learning rate, the inner
 # learning rate (bench/RESULTS.md §3; one seed each).

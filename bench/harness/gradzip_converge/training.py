@@ -72,6 +72,8 @@ class RunConfig:
     # the replicas sync every H steps, the outer gradient in ``codec`` (gradzip.local_steps)
     outer_lr: float = OUTER_LR  # local steps: the outer Nesterov SGD's (DiLoCo's defaults)
     outer_momentum: float = OUTER_MOMENTUM
+    residual_decay: float = 1.0  # local steps: the outer residual scaled by it after each sync
+    # (SparseLoCo's error feedback as momentum; gradzip.local_steps)
     seed: int = 0
     data: str = "procedural"  # or nyu:FILE / kitti:DEPTH,RAW / folder:DIR; a language model's:
     # a text of text.TEXTS (the image and scene settings do not apply to it)
@@ -105,6 +107,7 @@ class RunConfig:
                  else "")
         name += (f"+om{self.outer_momentum:g}"
                  if self.local_steps and self.outer_momentum != OUTER_MOMENTUM else "")
+        name += f"+ed{self.residual_decay:g}" if self.residual_decay != 1.0 else ""
         return name + (f"+params={self.param_codec}" if self.param_codec else "")
 
 
@@ -192,6 +195,9 @@ def optimizer_name(cfg: RunConfig) -> str:
     if (cfg.momentum_masking or cfg.local_clip_norm is not None) and name != "compressed-sgd":
         raise ValueError(f"{cfg.name}: momentum_masking and local_clip_norm are CompressedSGD's "
                          f"options; this run's optimizer is {name}")
+    if cfg.residual_decay != 1.0 and not cfg.local_steps:
+        raise ValueError(f"{cfg.name}: residual_decay scales the outer residual of local steps "
+                         "(local_steps > 0)")
     return name
 
 

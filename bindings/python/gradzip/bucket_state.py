@@ -150,6 +150,11 @@ class StateStore:
         self.buckets: dict = {}
         self._retired: list = []  # replaced buckets whose parameters may still move elsewhere
 
+    def residuals(self) -> list:
+        """The error-feedback residuals of every bucket (worker and owner)."""
+        return [t for st in self.buckets.values()
+                for t in (st.residual, st.owner_residual) if t is not None]
+
     def get(self, index: int, layout: Layout, residual: bool, owner: Optional[Tuple[int, int]],
             moments: int, device, q_rank: int = 0) -> BucketState:
         """``owner``: (start, size) of this rank's shard if it keeps an owner residual, else None.

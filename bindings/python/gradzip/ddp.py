@@ -67,6 +67,9 @@ class CompressionState(ReducerState):
         ``clip_grad_norm_`` returns); None before the first step or without ``optimizer``."""
         return None if self._clip is None else self._clip.grad_norm
 
+    def residuals(self) -> list:  # this rank's error-feedback residuals, every bucket's
+        return self._ef.residuals()
+
     def attach(self, optimizer) -> None:
         """Binds ``optimizer`` to a state that was pickled with another one (``torch.save(state)``
         and loaded in a new process): the state then computes its direction, and its ``step()``
@@ -97,14 +100,12 @@ class CompressionState(ReducerState):
 
     def __getstate__(self):  # without the process group, as PowerSGDState
         d = super().__getstate__()
-        d["process_group"] = None
-        d["_warmup_runtime"] = None
+        d["process_group"] = d["_warmup_runtime"] = None
         return d
 
     def __setstate__(self, d):
         super().__setstate__(d)
-        # An unpickled state is a checkpoint: resumed as load_state_dict resumes one, on a model
-        # whose parameters it numbers afresh from the first iteration it sees.
+        # a checkpoint, resumed as load_state_dict's, its parameters numbered at the next iteration
         self._keys = ParameterKeys()
         self._resumed_step = self.step
         self._saved_world = d.get("_world")
@@ -144,9 +145,8 @@ class CompressionState(ReducerState):
         return fut
 
     def _runtime_of_step(self):
-        """The warm-up codec's reduction for every bucket of a warm-up step (those it does not
-        compress too: one object's thread issues a step's collectives, in order), else the codec's.
-        Steps never overlap (DDP waits for a step's Futures before the next backward pass)."""
+        """The warm-up codec's reduction on a warm-up step, else the codec's (one object's thread
+        issues all of a step's collectives, in order; DDP waits for a step before the next)."""
         if self._warmup_runtime is not None and self.config.exact_step(self.step):
             return self._warmup_runtime
         if self.step > self.config.last_exact_step:

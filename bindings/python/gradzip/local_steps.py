@@ -22,7 +22,13 @@ gradient); every rank receives the same compressed average (the reduction's guar
 outer step ``anchor -= outer_lr * (avg + momentum * velocity)`` (torch's Nesterov SGD on the
 anchor) leaves the anchor and the velocity bitwise identical on every rank, and every replica
 restarts from a copy of it. With ``outer_lr=1, outer_momentum=0`` a sync is plain averaging of
-the replicas (local SGD). :class:`SimulatedLocalSteps` runs W replicas in one process through
+the replicas (local SGD).
+
+``residual_decay`` (beta < 1; SparseLoCo's error feedback as momentum, beta = 0.95 there) scales
+each rank's residual by beta after every sync, so that what a codec did not send decays as a
+momentum does instead of waiting in full: the next sync compresses ``outer gradient / W + beta *
+residual``. With a near-lossless codec (int8) the residual is small and beta changes little; with
+top-k or sign it is what carries the unsent coordinates forward. :class:`SimulatedLocalSteps` runs W replicas in one process through
 :class:`gradzip.simulation.SimulatedWorkers`, equal to the multi-rank sync bit for bit where the
 codec sums in gradzip (int8, sign, top-k; the casts with ``cast_sum="fp32"``).
 """
@@ -61,7 +67,8 @@ class _OuterLoop:
     and its outer optimizer, the outer gradients and the outer step. Subclasses reduce."""
 
     def __init__(self, params: List[torch.Tensor], sync_every: int, outer_lr: float,
-                 outer_momentum: float, nesterov: bool, bucket_cap_mb: float):
+                 outer_momentum: float, nesterov: bool, bucket_cap_mb: float,
+                 residual_decay: float, error_feedback: bool):
         if int(sync_every) < 1:
             raise ValueError(f"gradzip.local_steps: sync_every must be >= 1, got {sync_every}")
         if not outer_lr > 0.0 or not 0.0 <= outer_momentum < 1.0:
@@ -69,11 +76,18 @@ class _OuterLoop:
                              f"[0, 1), got {outer_lr}, {outer_momentum}")
         if nesterov and outer_momentum == 0.0:
             raise ValueError("gradzip.local_steps: nesterov needs outer_momentum > 0")
+        if not 0.0 < residual_decay <= 1.0:
+            raise ValueError(f"gradzip.local_steps: residual_decay must be in (0, 1], got "
+                             f"{residual_decay}")
+        if residual_decay != 1.0 and not error_feedback:
+            raise ValueError("gradzip.local_steps: residual_decay scales the error-feedback "
+                             "residual; it needs error_feedback=True")
         if not params:
             raise ValueError("gradzip.local_steps: no parameters that require a gradient")
         if any(not p.is_floating_point() for p in params):
             raise TypeError("gradzip.local_steps: parameters must be floating point")
         self.sync_every = int(sync_every)
+        self.residual_decay = float(residual_decay)
         self.steps = 0  # inner steps taken
         self.syncs = 0
         self.anchor = [p.detach().to(torch.float32, copy=True) for p in params]
@@ -102,6 +116,9 @@ class _OuterLoop:
         for i in range(len(self.buckets)):
             self._set_outer_gradient(i, self._reduce(i, i == last))
         self._outer_step(self._replicas())
+        if self.residual_decay != 1.0:  # part of the sync: a non-finite one is undone with it
+            for t in self._residuals():
+                t.mul_(self.residual_decay)
 
     def state_dict(self) -> dict:
         return {"version": STATE_VERSION, "steps": self.steps, "syncs": self.syncs,
@@ -133,6 +150,10 @@ class _OuterLoop:
 
     def _replicas(self) -> List[List[torch.Tensor]]:
         """The parameters of every replica this process holds."""
+        raise NotImplementedError
+
+    def _residuals(self) -> List[torch.Tensor]:
+        """The error-feedback residuals of every replica this process holds."""
         raise NotImplementedError
 
     def _outer_gradient(self, params: List[torch.Tensor], bucket: int) -> torch.Tensor:
@@ -198,6 +219,8 @@ class LocalSteps(_OuterLoop):
         sync_every: H, the inner steps between syncs.
         outer_lr, outer_momentum, nesterov: the outer SGD (DiLoCo's defaults: 0.7, 0.9, True).
         error_feedback: keep each rank's residual of the outer gradient across syncs.
+        residual_decay: beta in (0, 1], the residual scaled by it after each sync (see the
+            module's doc; 1: plain error feedback).
         cast_sum, min_compress_numel, guard_nonfinite: as CompressionState's.
         bucket_cap_mb: the outer gradient is reduced in buckets of about this size.
 
@@ -212,7 +235,7 @@ class LocalSteps(_OuterLoop):
                  outer_lr: float = OUTER_LR, outer_momentum: float = OUTER_MOMENTUM, nesterov: bool = True,
                  process_group=None, error_feedback: bool = True, cast_sum: Optional[str] = None,
                  min_compress_numel: int = MIN_COMPRESS_NUMEL, bucket_cap_mb: float = 25.0,
-                 guard_nonfinite: bool = True):
+                 guard_nonfinite: bool = True, residual_decay: float = 1.0):
         from .ddp import CompressionState  # the hook's state: its reduction, residuals and stats
 
         self.params = [p for p in params if p.requires_grad]
@@ -222,7 +245,7 @@ class LocalSteps(_OuterLoop):
             for p in self.params:
                 dist.broadcast(p.data, dist.get_global_rank(group, 0), group=group)
         super().__init__(self.params, sync_every, outer_lr, outer_momentum, nesterov,
-                         bucket_cap_mb)
+                         bucket_cap_mb, residual_decay, error_feedback)
         self.reduction = CompressionState(codec, process_group, error_feedback,
                                           min_compress_numel=min_compress_numel,
                                           cast_sum=cast_sum, guard_nonfinite=guard_nonfinite)
@@ -238,6 +261,9 @@ class LocalSteps(_OuterLoop):
     def _replicas(self) -> List[List[torch.Tensor]]:
         return [self.params]
 
+    def _residuals(self) -> List[torch.Tensor]:
+        return self.reduction.residuals()
+
 
 class SimulatedLocalSteps(_OuterLoop):
     """The outer loop of W replicas in one process: ``replicas[r]`` the parameters of rank r's
@@ -249,7 +275,7 @@ class SimulatedLocalSteps(_OuterLoop):
                  sync_every: int = 50, outer_lr: float = OUTER_LR, outer_momentum: float = OUTER_MOMENTUM,
                  nesterov: bool = True, error_feedback: bool = True,
                  cast_sum: Optional[str] = None, min_compress_numel: int = MIN_COMPRESS_NUMEL,
-                 bucket_cap_mb: float = 25.0):
+                 bucket_cap_mb: float = 25.0, residual_decay: float = 1.0):
         from .simulation import SimulatedWorkers
 
         self.replicas = [[p for p in params if p.requires_grad] for params in replicas]
@@ -260,7 +286,7 @@ class SimulatedLocalSteps(_OuterLoop):
                for p, q in zip(r, self.replicas[0])):
             raise ValueError("gradzip.local_steps: the replicas must start from the same values")
         super().__init__(self.replicas[0], sync_every, outer_lr, outer_momentum, nesterov,
-                         bucket_cap_mb)
+                         bucket_cap_mb, residual_decay, error_feedback)
         self.reduction = SimulatedWorkers(codec, len(self.replicas), error_feedback,
                                           min_compress_numel=min_compress_numel,
                                           cast_sum=cast_sum)
@@ -274,3 +300,6 @@ class SimulatedLocalSteps(_OuterLoop):
 
     def _replicas(self) -> List[List[torch.Tensor]]:
         return self.replicas
+
+    def _residuals(self) -> List[torch.Tensor]:
+        return [t for r in range(len(self.replicas)) for t in self.reduction.residuals(r)]

@@ -72,8 +72,7 @@ class SimulatedWorkers(Reporting):
 
     def residuals(self, rank: int = 0) -> List[torch.Tensor]:
         """The error-feedback residuals a worker holds (worker and owner, every bucket)."""
-        return [t for st in self._ef[rank].buckets.values()
-                for t in (st.residual, st.owner_residual) if t is not None]
+        return self._ef[rank].residuals()
 
     def reduce(self, grads: List[torch.Tensor], bucket_index=0, is_last: bool = True,
                numels: Optional[List[int]] = None, keys: Optional[list] = None,

@@ -11,9 +11,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 VENV=$(bash scripts/setup.sh | tail -n1)
 export PATH="$VENV/bin:$PATH"
-# the library and the harness, a distribution of its own (bench/harness), in one resolution: the
-# harness's `gradzip` requirement is the checkout's, not one looked up on the package index
-python -m pip install -q --no-build-isolation . ./bench/harness
+bash scripts/install.sh  # the library and the harness (bench/harness)
 if (($#)); then
   exec python -m gradzip_converge "$@"
 fi

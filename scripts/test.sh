@@ -53,7 +53,7 @@ stage "libFuzzer, ${GRADZIP_FUZZ_SECONDS:-60} s per target"
 bash scripts/fuzz.sh "${GRADZIP_FUZZ_SECONDS:-60}"
 
 stage "Python: build + install the package (torch extension) and the harness, pytest"
-python -m pip install -q --no-build-isolation . ./bench/harness  # the library and the harness
+bash scripts/install.sh  # the library and the harness (bench/harness)
 python -m pytest -q -rs tests/python
 
 # A claim about training (pytest -m training) holds on every x86 host, not just on this one: torch's

@@ -24,7 +24,12 @@ FROZEN_BF16 = dict(FROZEN, warmup_codec="bf16")
 REFRESH_INT8_4 = {"optimizer": "frozen-variance-adamw", "compress_warmup": 4, "warmup_codec": "int8",
                   "refresh_until": 600, "refreshes_per_doubling": 4}
 REFRESH_INT8_2 = dict(REFRESH_INT8_4, refreshes_per_doubling=2)
+# The longest int8 warm-ups that keep sign at >= 20x over 600 steps: 12 steps before refreshes at
+# gaps doubling every 4, or 20 before gaps doubling every 2 (fewer refreshes).
+REFRESH_INT8_4_W12 = dict(REFRESH_INT8_4, compress_warmup=12)
+REFRESH_INT8_2_W20 = dict(REFRESH_INT8_2, compress_warmup=20)
 WHOLE_RUN = (("fp32", False), ("sign", True, REFRESH_INT8_4), ("sign", True, REFRESH_INT8_2),
+             ("sign", True, REFRESH_INT8_4_W12), ("sign", True, REFRESH_INT8_2_W20),
              ("topk:0.01:values=fp16", True, REFRESH_INT8_4),
              ("topk:0.01:values=fp16", True, REFRESH_INT8_2))
 # The same on the language model, beside the recipe's 60 fp32 steps; and, to tell its two

@@ -43,6 +43,10 @@ LM_WHOLE_RUN = (("fp32", False), ("sign", True), ("sign", True, REFRESH_INT8_4),
 RECIPES = (("fp32", False), ("sign", True, FROZEN), ("sign", False, FROZEN),
            ("topk:0.01:values=fp16", True, FROZEN), ("topk:0.01:values=fp16", False, FROZEN),
            ("sign", True, FROZEN_BF16), ("topk:0.01:values=fp16", True, FROZEN_BF16))
+# Top-k's denser forms at the bytes 1 % all-gathered sends with 6 bytes a kept element, on the
+# recipes' task: 1.5 % all-gathered and 3 % two-phase (4 bytes a kept element).
+RECIPES_TOPK = (("fp32", False), ("topk:0.015:values=fp16", True, FROZEN),
+                ("topk:0.03:values=fp16", True, dict(FROZEN, cast_sum="fp32")))
 
 
 # Under SGD with momentum (a small U-Net, cpu-sgd): the recipe (top-k: CompressedSGD with momentum
@@ -150,6 +154,12 @@ SUITES = {
         "cpu-default's sign and top-k 1 % under the frozen-variance Adam (60 uncompressed "
         "steps, or 60 steps in bf16: +w60:bf16), with and without error feedback, named by "
         "optimizer and warm-up"),
+    "cpu-recipes-topk": Suite(
+        "cpu-recipes-topk",
+        CPU_DEFAULT, RECIPES_TOPK, "cpu",
+        "cpu-recipes' top-k under the frozen-variance Adam at the densities that send what 1 % "
+        "all-gathered sent before its indices were compacted: 1.5 % all-gathered and 3 % "
+        "two-phase (4 bytes a kept element)"),
     "cpu-whole-run": Suite(
         "cpu-whole-run",
         CPU_DEFAULT, WHOLE_RUN, "cpu",

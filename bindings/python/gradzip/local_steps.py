@@ -28,7 +28,9 @@ the replicas (local SGD).
 each rank's residual by beta after every sync, so that what a codec did not send decays as a
 momentum does instead of waiting in full: the next sync compresses ``outer gradient / W + beta *
 residual``. With a near-lossless codec (int8) the residual is small and beta changes little; with
-top-k or sign it is what carries the unsent coordinates forward. :class:`SimulatedLocalSteps` runs W replicas in one process through
+top-k or sign it is what carries the unsent coordinates forward.
+
+:class:`SimulatedLocalSteps` runs W replicas in one process through
 :class:`gradzip.simulation.SimulatedWorkers`, equal to the multi-rank sync bit for bit where the
 codec sums in gradzip (int8, sign, top-k; the casts with ``cast_sum="fp32"``).
 """
@@ -116,7 +118,8 @@ class _OuterLoop:
         for i in range(len(self.buckets)):
             self._set_outer_gradient(i, self._reduce(i, i == last))
         self._outer_step(self._replicas())
-        if self.residual_decay != 1.0:  # part of the sync: a non-finite one is undone with it
+        # after the outer step: a non-finite sync raised above, and its residual update is undone
+        if self.residual_decay != 1.0:
             for t in self._residuals():
                 t.mul_(self.residual_decay)
 

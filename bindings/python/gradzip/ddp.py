@@ -105,7 +105,7 @@ class CompressionState(ReducerState):
 
     def __setstate__(self, d):
         super().__setstate__(d)
-        # a checkpoint, resumed as load_state_dict's, its parameters numbered at the next iteration
+        # an unpickled state is a checkpoint: resumed as load_state_dict resumes one
         self._keys = ParameterKeys()
         self._resumed_step = self.step
         self._saved_world = d.get("_world")

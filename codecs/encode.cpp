@@ -40,7 +40,7 @@ void run_encode(const Codec& codec, detail::EncodeArgs a, size_t n, void* out, v
   const WireHeader h = codec.wire_header(n);
   std::memcpy(out, &h, sizeof h);
   const detail::CpuEncode job{detail::cpu_loops(), s, a, n, h.param,
-                              payload_layout(s.kind, n, h.param, s.fp16_values),
+                              payload_layout(s.kind, n, h.param, h.flags),
                               static_cast<char*>(out) + kHeaderBytes, workspace};
   visit(s.kind, [&](auto c) { detail::encode_cpu(c, job); });
 }

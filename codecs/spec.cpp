@@ -68,7 +68,7 @@ struct CastRules {
   }
   static void read_option(std::string_view, std::string_view, CodecSpec&) {}
   static void check(std::string_view spec, const CodecSpec& s) {
-    if (s.block != 0 || s.ratio != 0.0 || s.fp16_values) bad_spec(spec, "casts take no parameters");
+    if (s.block != 0 || s.ratio != 0.0 || s.values != TopkValues::f32) bad_spec(spec, "casts take no parameters");
   }
   template <class C>
   static std::string name(C, const CodecSpec&) { return C::spec_name; }
@@ -89,7 +89,7 @@ struct BlockwiseRules {
   static void check(std::string_view spec, const CodecSpec& s) {
     if (!valid_block(s.block))
       bad_spec(spec, "block=" + std::to_string(s.block) + " must be a multiple of 32 in [32, 65536]");
-    if (s.ratio != 0.0 || s.fp16_values) bad_spec(spec, "only block= applies to int8/sign");
+    if (s.ratio != 0.0 || s.values != TopkValues::f32) bad_spec(spec, "only block= applies to int8/sign");
   }
   static std::string name(C, const CodecSpec& s) {
     return std::string(C::spec_name) + ":block=" + std::to_string(s.block);
@@ -97,7 +97,7 @@ struct BlockwiseRules {
   static uint32_t param(const Codec& c, uint64_t) { return c.spec().block; }
 };
 
-// topk:RATIO, then values=fp32|fp16.
+// topk:RATIO, then values=fp32|fp16|int8.
 struct TopkRules {
   static constexpr std::string_view option = "values";
   static size_t read_leading(std::string_view spec, const std::vector<std::string_view>& parts,
@@ -112,20 +112,24 @@ struct TopkRules {
     return 2;
   }
   static void read_option(std::string_view spec, std::string_view value, CodecSpec& s) {
-    if (value == "fp16") s.fp16_values = true;
-    else if (value == "fp32") s.fp16_values = false;
-    else bad_spec(spec, "values='" + std::string(value) + "' must be fp32 or fp16");
+    if (value == "fp16") s.values = TopkValues::fp16;
+    else if (value == "int8") s.values = TopkValues::int8;
+    else if (value == "fp32") s.values = TopkValues::f32;
+    else bad_spec(spec, "values='" + std::string(value) + "' must be fp32, fp16 or int8");
   }
   static void check(std::string_view spec, const CodecSpec& s) {
     if (!(s.ratio > 0.0 && s.ratio <= 1.0))
       bad_spec(spec, "top-k ratio " + std::to_string(s.ratio) + " must be in (0, 1]");
     if (s.block != 0) bad_spec(spec, "top-k takes no block");
+    if (s.values != TopkValues::f32 && s.values != TopkValues::fp16 && s.values != TopkValues::int8)
+      bad_spec(spec, "unknown top-k value type " + std::to_string(static_cast<int>(s.values)));
   }
   static std::string name(TopkCodec, const CodecSpec& s) {
     char buf[64];
     const auto res = std::to_chars(buf, buf + sizeof buf, s.ratio);  // shortest round-trip
     std::string out = std::string(TopkCodec::spec_name) + ":" + std::string(buf, res.ptr);
-    if (s.fp16_values) out += ":values=fp16";
+    if (s.values == TopkValues::fp16) out += ":values=fp16";
+    if (s.values == TopkValues::int8) out += ":values=int8";
     return out;
   }
   static uint32_t param(const Codec& c, uint64_t n) {
@@ -215,7 +219,7 @@ std::string Codec::name() const {
 
 bool Codec::operator==(const Codec& o) const noexcept {
   return spec_.kind == o.spec_.kind && spec_.block == o.spec_.block &&
-         spec_.ratio == o.spec_.ratio && spec_.fp16_values == o.spec_.fp16_values;
+         spec_.ratio == o.spec_.ratio && spec_.values == o.spec_.values;
 }
 
 uint64_t Codec::topk_k(uint64_t n) const {
@@ -233,7 +237,7 @@ WireHeader Codec::wire_header(uint64_t n) const {
   h.dtype = static_cast<uint8_t>(DType::f32);
   h.count = n;
   h.param = wire_param(n);
-  h.flags = spec_.fp16_values ? kTopkFlagFp16Values : 0u;  // only top-k's rules accept it
+  h.flags = wire_flags();
   h.payload_bytes = payload_layout(h).bytes;
   return h;
 }
@@ -242,10 +246,14 @@ uint32_t Codec::wire_param(uint64_t n) const {
   return with_rules(spec_.kind, [&](auto, auto rules) { return rules.param(*this, n); });
 }
 
+uint32_t Codec::wire_flags() const noexcept {
+  return topk_flags(spec_.values);  // only top-k's rules accept values other than f32
+}
+
 size_t Codec::encoded_bytes(size_t n) const {
   if (n > kMaxCount)
     throw Error(Status::invalid_argument, "gradzip: element count " + std::to_string(n) + " too large");
-  return message_bytes(spec_.kind, n, wire_param(n), spec_.fp16_values);
+  return message_bytes(spec_.kind, n, wire_param(n), wire_flags());
 }
 
 size_t Codec::workspace_bytes(size_t n) const {

@@ -63,7 +63,7 @@ struct Plan {
   uint64_t k;
   uint32_t* idx;
   void* values;
-  bool fp16_values;
+  TopkValues value_type;
   uint32_t* cand;
   std::array<Chunk, kTopkMaxChunks> chunks{};
   size_t nch = 0;
@@ -192,7 +192,7 @@ bool sampled_topk(Plan& p) {
         --ties;
       }
       p.idx[o] = pidx[j];
-      el::topk_put_value(p.values, o, el::bits_float(bits[j]), p.fp16_values);
+      el::topk_put_value(p.values, o, el::bits_float(bits[j]), p.value_type);
       ++o;
     }
   });
@@ -200,7 +200,7 @@ bool sampled_topk(Plan& p) {
     parallel_items(p.nch, p.threads, [&](size_t c) {
       const Chunk& ch = p.chunks[c];
       p.loops.topk.residual(p.a.at(ch.begin), ch.len, static_cast<uint32_t>(ch.begin),
-                            p.idx + ch.offset, ch.above + ch.quota, p.fp16_values);
+                            p.idx + ch.offset, ch.above + ch.quota, p.value_type);
     });
   return true;
 }
@@ -257,13 +257,13 @@ void radix_topk(Plan& p) {
 
   // 4. quotas and output offsets, then emit
   p.assign_offsets(rank);
-  const size_t value_size = p.fp16_values ? 2 : 4;
+  const uint64_t value_size = topk_value_bytes(p.value_type);
   std::atomic<bool> consistent{true};
   parallel_items(p.nch, p.threads, [&](size_t c) {
     const Chunk& ch = p.chunks[c];
     const size_t kept = p.loops.topk.emit(
         p.a.at(ch.begin), ch.len, static_cast<uint32_t>(ch.begin), threshold, ch.quota,
-        p.idx + ch.offset, static_cast<char*>(p.values) + ch.offset * value_size, p.fp16_values);
+        p.idx + ch.offset, static_cast<char*>(p.values) + ch.offset * value_size, p.value_type);
     if (kept != ch.above + ch.quota) consistent.store(false, std::memory_order_relaxed);
   });
   if (!consistent.load())
@@ -292,6 +292,27 @@ void write_indices(const uint32_t* idx, uint64_t k, size_t n, const PayloadLayou
   std::memset(payload + l.section1 + 2 * k, 0, l.section2 - l.section1 - 2 * k);
 }
 
+// int8 values, after the selection left their residuals untouched: per index chunk, its kept
+// values c (computed again, as the selection did) give the chunk's scale, then their int8s and
+// residuals.
+void quantize_int8_values(const EncodeArgs& a, const uint32_t* idx, uint64_t k, size_t n,
+                          const PayloadLayout& l, char* payload) {
+  const auto* ends = reinterpret_cast<const uint32_t*>(payload + l.section0);
+  auto* q = reinterpret_cast<int8_t*>(payload + l.section2);
+  auto* scales = reinterpret_cast<float*>(payload + l.section3);
+  std::memset(payload + l.section2 + k, 0, l.section3 - l.section2 - k);
+  parallel_items(topk_index_chunks(n), threads_for(k), [&](size_t c) {
+    const uint64_t begin = c == 0 ? 0 : ends[c - 1];
+    const uint32_t* at = idx + begin;
+    scales[c] = el::topk_quantize_chunk(
+        ends[c] - begin, [&](uint64_t j) { return encode_input(a, at[j]); },
+        [&](uint64_t j, float cj, int8_t level, float decoded) {
+          q[begin + j] = level;
+          if (a.residual) a.residual[at[j]] = el::ef_residual(cj, decoded, a.residual[at[j]]);
+        });
+  });
+}
+
 }  // namespace
 
 void encode_cpu(TopkCodec, const CpuEncode& job) {
@@ -304,7 +325,7 @@ void encode_cpu(TopkCodec, const CpuEncode& job) {
          k,
          topk_kept_indices(job.workspace, n),
          job.payload + job.layout.section2,
-         job.spec.fp16_values,
+         job.spec.values,
          static_cast<uint32_t*>(job.workspace)};
   const size_t clen = topk_chunk_len(n);
   p.nch = topk_num_chunks(n);
@@ -318,6 +339,8 @@ void encode_cpu(TopkCodec, const CpuEncode& job) {
     radix_topk(p);
   }
   write_indices(p.idx, k, n, job.layout, job.payload);
+  if (p.value_type == TopkValues::int8)
+    quantize_int8_values(job.a, p.idx, k, n, job.layout, job.payload);
 }
 
 void decode_cpu(TopkCodec, const CpuDecode& job) {
@@ -331,9 +354,11 @@ void decode_cpu(TopkCodec, const CpuDecode& job) {
   const auto* ends = reinterpret_cast<const uint32_t*>(job.payload + job.layout.section0);
   const auto* offsets = reinterpret_cast<const uint16_t*>(job.payload + job.layout.section1);
   const size_t kk = job.header.param;
-  const bool fp16_values = (job.header.flags & kTopkFlagFp16Values) != 0;
+  const TopkValues v = topk_values(job.header.flags);
   const auto* f32 = reinterpret_cast<const float*>(job.payload + job.layout.section2);
   const auto* f16 = reinterpret_cast<const uint16_t*>(job.payload + job.layout.section2);
+  const auto* q = reinterpret_cast<const int8_t*>(job.payload + job.layout.section2);
+  const auto* scales = reinterpret_cast<const float*>(job.payload + job.layout.section3);
   // Indices are strictly increasing (validated), so ranges of them write disjoint outputs.
   // fp16 values are widened 256 at a time by the vectorised decoder first: converted inside
   // the scatter loop they made it four times slower.
@@ -342,15 +367,17 @@ void decode_cpu(TopkCodec, const CpuDecode& job) {
     uint64_t chunk = kk == 0 ? 0 : topk_position(job.header, payload, b).chunk;
     for (size_t s = b; s < e; s += 256) {
       const size_t m = e - s < 256 ? e - s : 256;
-      const float* v = f32 + s;
-      if (fp16_values) {
+      const float* val = f32 + s;
+      if (v == TopkValues::fp16) {
         job.loops.fp16.decode(f16 + s, m, widened, false);
-        v = widened;
+        val = widened;
       }
       for (size_t j = 0; j < m; ++j) {
         while (ends[chunk] <= s + j) ++chunk;
+        const float x = v == TopkValues::int8 ? el::int8_dequantize(q[s + j], scales[chunk])
+                                              : val[j];
         float& o = out[chunk * kTopkIndexChunk + offsets[s + j]];
-        o = add ? o + v[j] : v[j];
+        o = add ? o + x : x;
       }
     }
   });

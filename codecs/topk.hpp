@@ -19,18 +19,18 @@ struct TopkLoops {
   size_t (*collect)(EncodeArgs a, size_t n, uint32_t base, uint32_t d0, uint32_t* cand,
                     uint64_t* above);
   // Final pass: keeps keys > threshold and the first `ties` keys == threshold, writing their
-  // indices (base + i) and values; updates the residual of every element. Returns the number
-  // kept.
+  // indices (base + i) and values (element::topk_put_value); updates the residual of every
+  // element. Returns the number kept.
   size_t (*emit)(EncodeArgs a, size_t n, uint32_t base, uint32_t threshold, uint64_t ties,
-                 uint32_t* idx, void* values, bool fp16_values);
+                 uint32_t* idx, void* values, TopkValues v);
   // Sampled top-k pass 1: stores base + i and the bits of c[i] for the first `cap` elements
   // whose key is >= lo (index order); returns how many such elements there are.
   size_t (*gather)(EncodeArgs a, size_t n, uint32_t base, uint32_t lo, size_t cap, uint32_t* idx,
                    uint32_t* bits);
   // Sampled top-k, error feedback: the residual of every element, given the sorted global
-  // indices of the kept ones (their value is c, or fp16(c) when fp16_values).
+  // indices of the kept ones (their residual as element::topk_value_decoded says).
   void (*residual)(EncodeArgs a, size_t n, uint32_t base, const uint32_t* kept, size_t kept_count,
-                   bool fp16_values);
+                   TopkValues v);
 };
 
 // Writes the k indices and values and updates the residual (when job.a.residual is set); the

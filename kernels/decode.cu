@@ -90,12 +90,13 @@ __global__ void __launch_bounds__(kThreads)
   if (!sparse_payload(static_cast<CodecKind>(h.codec))) return;
   const uint32_t k = h.param;
   const uint8_t* payload = wire + kHeaderBytes;
-  const bool fp16 = (h.flags & kTopkFlagFp16Values) != 0;
-  const uint8_t* values = payload + payload_layout(h).section2;
+  const TopkValues values = topk_values(h.flags);
+  const PayloadLayout l = payload_layout(h);
   for (uint64_t j = static_cast<uint64_t>(blockIdx.x) * kThreads + threadIdx.x; j < k;
        j += static_cast<uint64_t>(gridDim.x) * kThreads) {
-    const float v = el::topk_get_value(values, j, fp16);
-    float& o = out[topk_position(h, payload, j).index];
+    const TopkPosition p = topk_position(h, payload, j);
+    const float v = el::topk_get_value(payload, l, values, j, p.chunk);
+    float& o = out[p.index];
     o = Add ? o + v : v;
   }
 }
@@ -109,8 +110,8 @@ DecodeStatus* sync_status_word() {
 }
 
 void launch_decode(const DecodeLaunch& a) {
-  // Top-k holds at most (bytes - header) / 4 entries (u16 offset + fp16 value) and at most n.
-  const uint64_t kmax = std::min<uint64_t>(a.n, (a.bytes - kHeaderBytes) / 4);
+  // Top-k holds at most (bytes - header) / 3 entries (u16 offset + int8 value) and at most n.
+  const uint64_t kmax = std::min<uint64_t>(a.n, (a.bytes - kHeaderBytes) / 3);
   const unsigned k_grid = std::min<unsigned>(grid_for(kmax, kThreads), static_cast<unsigned>(a.sm_count) * 8);
   const unsigned grid = grid_for(a.n, uint64_t{kThreads} * kV);
   const bool vec_out = reinterpret_cast<uintptr_t>(a.out) % 16 == 0;

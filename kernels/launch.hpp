@@ -37,7 +37,7 @@ struct EncodeLaunch {
   uint8_t* out;     // wire start (header), 4-byte aligned
   HeaderWords header;
   uint32_t param;         // the header's param: block (int8/sign) or k (top-k)
-  bool fp16_values;       // top-k: values stored as fp16
+  TopkValues topk_values;  // top-k: how the values travel
   PayloadLayout layout;   // of this message's payload
   void* workspace;        // encode_workspace_bytes(codec, n) bytes, 16-byte aligned
   bool vec;         // grad, residual and out are 16-byte aligned: use 16-byte accesses

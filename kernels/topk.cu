@@ -20,6 +20,7 @@
 
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
+#include <cuda/functional>
 
 #include "common.cuh"
 #include "topk_workspace.hpp"
@@ -217,14 +218,14 @@ __global__ void __launch_bounds__(kScanThreads)
 template <bool Vec>
 __global__ void __launch_bounds__(kThreads)
     topk_write_kernel(Source src, size_t n, const TopkState* st, const uint64_t* tile_prefix,
-                      uint8_t* out, HeaderWords header, uint32_t k, bool fp16_values) {
+                      uint8_t* out, HeaderWords header, uint32_t k, TopkValues v) {
   using Scan = cub::BlockScan<uint32_t, kThreads>;
   __shared__ typename Scan::TempStorage temp;
   write_header(out, header, 0, 0);
   const uint32_t t = st->threshold;
   const uint32_t need = st->need;
   uint8_t* payload = out + kHeaderBytes;
-  const PayloadLayout l = TopkCodec::layout(n, k, fp16_values);
+  const PayloadLayout l = TopkCodec::layout(n, k, topk_flags(v));
   uint16_t* offsets = reinterpret_cast<uint16_t*>(payload + l.section1);
   uint8_t* values = payload + l.section2;
   const size_t base = static_cast<size_t>(blockIdx.x) * kTile;
@@ -279,7 +280,7 @@ __global__ void __launch_bounds__(kThreads)
         }
         if (keep && pos < k) {  // pos < k always holds; the guard keeps a racing input in bounds
           offsets[pos] = static_cast<uint16_t>((i + j) % kTopkIndexChunk);
-          decoded = el::topk_put_value(values, pos, c[j], fp16_values);
+          decoded = el::topk_put_value(values, pos, c[j], v);
         }
       }
       nr[j] = el::ef_residual(c[j], decoded, r[j]);
@@ -291,8 +292,54 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// int8 values, after the write kernel (which left the kept elements' residuals untouched): one
+// block per 65536-element index chunk computes its kept values c again, their maximum key gives
+// the chunk's scale (element::topk_quantize_chunk's math, spread over the block), then each int8
+// and residual. Block 0 also zeroes the padding after the values.
+__global__ void __launch_bounds__(kThreads)
+    topk_quantize_kernel(Source src, uint8_t* out, PayloadLayout l, uint32_t k) {
+  using Reduce = cub::BlockReduce<uint32_t, kThreads>;
+  __shared__ typename Reduce::TempStorage temp;
+  __shared__ uint32_t amax;
+  uint8_t* payload = out + kHeaderBytes;
+  const auto* ends = reinterpret_cast<const uint32_t*>(payload + l.section0);
+  const auto* offsets = reinterpret_cast<const uint16_t*>(payload + l.section1);
+  auto* q = reinterpret_cast<int8_t*>(payload + l.section2);
+  const uint64_t chunk = blockIdx.x;
+  const uint32_t begin = chunk == 0 ? 0 : ends[chunk - 1], end = ends[chunk];
+  if (chunk == 0)
+    for (uint64_t b = l.section2 + k + threadIdx.x; b < l.section3; b += kThreads) payload[b] = 0;
+  auto value = [&](uint32_t j, float& r) {
+    float c[1], old[1];
+    src.load<1, false>(chunk * kTopkIndexChunk + offsets[j], 1, c, old);
+    r = old[0];
+    return c[0];
+  };
+  uint32_t local = 0;
+  for (uint32_t j = begin + threadIdx.x; j < end; j += kThreads) {
+    float r;
+    const uint32_t key = el::topk_key(value(j, r));
+    local = key > local ? key : local;
+  }
+  const uint32_t m = Reduce(temp).Reduce(local, cuda::maximum<>{});
+  if (threadIdx.x == 0) amax = m;
+  __syncthreads();
+  const float scale = el::int8_scale(amax), inv = el::int8_inv_scale(amax);
+  if (threadIdx.x == 0) reinterpret_cast<float*>(payload + l.section3)[chunk] = scale;
+  for (uint32_t j = begin + threadIdx.x; j < end; j += kThreads) {
+    float r;
+    const float c = value(j, r);
+    const float level = el::int8_level(c, inv);
+    q[j] = static_cast<int8_t>(level);
+    if (src.residual) {
+      float nr[1] = {el::ef_residual(c, el::int8_level_value(level, scale), r)};
+      src.store_residual<1, false>(chunk * kTopkIndexChunk + offsets[j], 1, nr);
+    }
+  }
+}
+
 template <bool Vec>
-void launch_all(const EncodeLaunch& a, uint32_t k, bool fp16_values, uint8_t* ws) {
+void launch_all(const EncodeLaunch& a, uint32_t k, uint8_t* ws) {
   const Source src{a.grad, a.residual, a.prescale};
   const TopkWorkspace w = topk_workspace(a.n);  // topk_workspace.hpp
   auto* st = reinterpret_cast<TopkState*>(ws);
@@ -322,7 +369,10 @@ void launch_all(const EncodeLaunch& a, uint32_t k, bool fp16_values, uint8_t* ws
     cudaMemsetAsync(prefix, 0, sizeof(uint64_t) * tiles, a.stream);
   }
   topk_write_kernel<Vec><<<tile_grid, kThreads, 0, a.stream>>>(src, a.n, st, prefix, a.out, a.header,
-                                                               k, fp16_values);
+                                                               k, a.topk_values);
+  if (a.topk_values == TopkValues::int8 && a.n > 0)
+    topk_quantize_kernel<<<static_cast<unsigned>(topk_index_chunks(a.n)), kThreads, 0, a.stream>>>(
+        src, a.out, a.layout, k);
 }
 
 }  // namespace
@@ -331,12 +381,11 @@ size_t encode_workspace_bytes(TopkCodec, size_t n) { return topk_workspace(n).by
 
 void launch_encode(TopkCodec, const EncodeLaunch& a) {
   const uint32_t k = a.param;
-  const bool fp16_values = a.fp16_values;
   auto* ws = static_cast<uint8_t*>(a.workspace);
   if (a.vec)
-    launch_all<true>(a, k, fp16_values, ws);
+    launch_all<true>(a, k, ws);
   else
-    launch_all<false>(a, k, fp16_values, ws);
+    launch_all<false>(a, k, ws);
 }
 
 }  // namespace gradzip::kernels

@@ -21,7 +21,8 @@
 namespace {
 
 const char* const kSpecs[] = {"fp32", "fp16", "bf16", "int8", "int8:block=64", "sign",
-                              "sign:block=32", "topk:0.01", "topk:0.3", "topk:0.01:values=fp16"};
+                              "sign:block=32", "topk:0.01", "topk:0.3", "topk:0.01:values=fp16",
+                              "topk:0.01:values=int8"};
 const size_t kSizes[] = {size_t{1} << 20, size_t{1} << 24, size_t{1} << 26};
 
 // Buffers without value-initialisation: first touched by the threads that use them.

@@ -23,7 +23,7 @@ using gztest::cuda_check;
 using gztest::DeviceBuffer;
 
 const char* const kSpecs[] = {"fp32", "fp16", "bf16", "int8", "sign", "topk:0.01", "topk:0.001",
-                              "topk:0.01:values=fp16"};
+                              "topk:0.01:values=fp16", "topk:0.01:values=int8"};
 const size_t kSizes[] = {size_t{1} << 20, size_t{1} << 24, size_t{1} << 26, size_t{1} << 27};
 
 // One set of device buffers for the largest size, shared by every benchmark.

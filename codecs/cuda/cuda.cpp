@@ -127,8 +127,8 @@ void launch_encode_message(const Codec& codec, const float* grad, float* residua
   a.out = static_cast<uint8_t*>(out);
   std::memcpy(a.header.w, &h, sizeof h);
   a.param = h.param;
-  a.fp16_values = spec.fp16_values;
-  a.layout = payload_layout(spec.kind, n, h.param, spec.fp16_values);
+  a.topk_values = spec.values;
+  a.layout = payload_layout(spec.kind, n, h.param, h.flags);
   a.workspace = workspace;
   a.vec = aligned(grad, 16) && aligned(residual, 16) && aligned(out, 16);
   a.sm_count = sm_count;

@@ -87,7 +87,7 @@ size_t topk_collect(EncodeArgs a, size_t n, uint32_t base, uint32_t d0, uint32_t
 template <bool EF>
 size_t topk_emit_loop(const float* __restrict g, float* __restrict r, float p, size_t n,
                       uint32_t base, uint32_t threshold, uint64_t ties, uint32_t* __restrict idx,
-                      void* values, bool fp16_values) {
+                      void* values, TopkValues v) {
   size_t kept = 0;
   alignas(64) float c[kSub], old[kSub];
   alignas(64) uint8_t hit[kSub];
@@ -112,7 +112,7 @@ size_t topk_emit_loop(const float* __restrict g, float* __restrict r, float p, s
         --ties;
       }
       idx[kept] = base + static_cast<uint32_t>(s + i);
-      const float decoded = el::topk_put_value(values, kept, c[i], fp16_values);
+      const float decoded = el::topk_put_value(values, kept, c[i], v);
       if constexpr (EF) r[s + i] = el::ef_residual(c[i], decoded, old[i]);
       ++kept;
     });
@@ -120,11 +120,11 @@ size_t topk_emit_loop(const float* __restrict g, float* __restrict r, float p, s
   return kept;
 }
 size_t topk_emit(EncodeArgs a, size_t n, uint32_t base, uint32_t threshold, uint64_t ties,
-                 uint32_t* idx, void* values, bool fp16_values) {
+                 uint32_t* idx, void* values, TopkValues v) {
   size_t kept = 0;
   with_ef(a, [&](auto ef) {
     kept = topk_emit_loop<ef.value>(a.grad, a.residual, a.prescale, n, base, threshold, ties, idx,
-                                    values, fp16_values);
+                                    values, v);
   });
   return kept;
 }
@@ -171,7 +171,7 @@ size_t topk_gather(EncodeArgs a, size_t n, uint32_t base, uint32_t lo, size_t ca
 // Sampled top-k, residual pass: every element as if not kept (one vectorised streaming pass),
 // then the kept ones (sorted global indices) patched while their sub-block is in L1.
 void topk_residual(EncodeArgs a, size_t n, uint32_t base, const uint32_t* __restrict kept,
-                   size_t kept_count, bool fp16_values) {
+                   size_t kept_count, TopkValues v) {
   const float* __restrict g = a.grad;
   float* __restrict r = a.residual;
   const float p = a.prescale;
@@ -187,7 +187,7 @@ void topk_residual(EncodeArgs a, size_t n, uint32_t base, const uint32_t* __rest
     for (; j < kept_count && kept[j] - base < s + m; ++j) {
       const size_t i = kept[j] - base - s;
       const float c = el::ef_input(g[s + i], p, old[i]);
-      const float decoded = el::topk_value_decoded(c, fp16_values);
+      const float decoded = el::topk_value_decoded(c, v);
       r[s + i] = el::ef_residual(c, decoded, old[i]);
     }
   }

@@ -44,13 +44,13 @@ class Error : public std::runtime_error {
 };
 
 // A parsed codec spec. Grammar:
-//   fp32 | fp16 | bf16 | int8[:block=N] | sign[:block=N] | topk:RATIO[:values=fp32|fp16]
+//   fp32 | fp16 | bf16 | int8[:block=N] | sign[:block=N] | topk:RATIO[:values=fp32|fp16|int8]
 // N: multiple of 32 in [32, 65536] (defaults: int8 256, sign 1024); RATIO in (0, 1].
 struct CodecSpec {
   CodecKind kind = CodecKind::fp32;
   uint32_t block = 0;        // int8, sign
   double ratio = 0.0;        // topk
-  bool fp16_values = false;  // topk
+  TopkValues values = TopkValues::f32;  // topk
 };
 
 constexpr uint32_t kDefaultInt8Block = Int8Codec::default_block;
@@ -70,6 +70,8 @@ class Codec {
   uint64_t topk_k(uint64_t n) const;
   // The header's param field for n elements (block size, or k for top-k).
   uint32_t wire_param(uint64_t n) const;
+  // The header's flags field (top-k: how its values travel; else 0).
+  uint32_t wire_flags() const noexcept;
   // The wire header an encode of n elements writes (what a decoder of that message will read).
   WireHeader wire_header(uint64_t n) const;
 

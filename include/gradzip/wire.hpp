@@ -14,7 +14,7 @@
 //        7    1 dtype          element type of the decoded values (DType; v1: f32 only)
 //        8    8 count          number of elements n
 //       16    4 param          int8/sign: block size; topk: k (number of kept elements); else 0
-//       20    4 flags          topk: bit 0 = values stored as fp16; else 0
+//       20    4 flags          topk: bit 0 = values stored as fp16, bit 1 = as int8; else 0
 //       24    8 payload_bytes  bytes following the header (exactly)
 //
 // Payloads (sections start 16-byte aligned relative to the payload start; padding is zero):
@@ -24,7 +24,8 @@
 //   sign       nb x f32 scales (mean |x|), pad to 16; then ceil(n/32) x u32 sign words
 //   topk       ceil(n/65536) x u32 chunk ends (kept elements in this 65536-element chunk and those
 //              before it), pad to 16; k x u16 offsets in the chunk (strictly increasing inside
-//              it, index = chunk * 65536 + offset < n), pad to 16; k x f32 (or fp16) values
+//              it, index = chunk * 65536 + offset < n), pad to 16; k x f32 (or fp16) values;
+//              int8 values: k x i8, pad to 16, then one f32 scale per 65536-element chunk
 #pragma once
 
 #include <cstddef>
@@ -37,23 +38,22 @@ namespace gradzip {
 
 // Byte offsets of the payload's sections (after the header) and its size: one definition, used by
 // the encoders, the decoders and the validators on both sides. param: block (int8/sign) or k
-// (topk); fp16_values: topk flag. An unknown codec has an empty layout.
+// (topk); flags: the header's (topk: how the values travel). An unknown codec has an empty layout.
 GZ_HD constexpr PayloadLayout payload_layout(CodecKind codec, uint64_t n, uint32_t param,
-                                             bool fp16_values) {
+                                             uint32_t flags) {
   if (!known_codec(codec)) return PayloadLayout{};
-  return visit(codec, [&](auto c) { return c.layout(n, param, fp16_values); });
+  return visit(codec, [&](auto c) { return c.layout(n, param, flags); });
 }
 
 // The layout a header describes (its codec field must be a known CodecKind).
 GZ_HD constexpr PayloadLayout payload_layout(const WireHeader& h) {
-  return payload_layout(static_cast<CodecKind>(h.codec), h.count, h.param,
-                        (h.flags & kTopkFlagFp16Values) != 0);
+  return payload_layout(static_cast<CodecKind>(h.codec), h.count, h.param, h.flags);
 }
 
 // Header + payload: the exact size of one message.
 GZ_HD constexpr uint64_t message_bytes(CodecKind codec, uint64_t n, uint32_t param,
-                                       bool fp16_values) {
-  return kHeaderBytes + payload_layout(codec, n, param, fp16_values).bytes;
+                                       uint32_t flags) {
+  return kHeaderBytes + payload_layout(codec, n, param, flags).bytes;
 }
 
 // Messages placed one after another in a buffer (the all-reduce's shards and all-gather slots)

@@ -18,7 +18,11 @@ constexpr size_t kHeaderBytes = 32;
 enum class CodecKind : uint8_t { fp32 = 0, fp16 = 1, bf16 = 2, int8 = 3, sign = 4, topk = 5 };
 enum class DType : uint8_t { f32 = 0, f16 = 1, bf16 = 2 };
 
+// Top-k's flags say how its values travel: f32 (no flag), fp16, or int8 with one f32 scale per
+// 65536-element index chunk. At most one of the two bits is set.
 constexpr uint32_t kTopkFlagFp16Values = 1u;
+constexpr uint32_t kTopkFlagInt8Values = 2u;
+enum class TopkValues : uint8_t { f32 = 0, fp16 = 1, int8 = 2 };
 
 struct WireHeader {
   uint32_t magic;
@@ -58,6 +62,7 @@ struct PayloadLayout {
   uint64_t section0 = 0;  // int8/sign: scales; topk: chunk ends; casts: values
   uint64_t section1 = 0;  // int8: q bytes; sign: words; topk: in-chunk offsets
   uint64_t section2 = 0;  // topk: values
+  uint64_t section3 = 0;  // topk with int8 values: the per-chunk scales
   uint64_t bytes = 0;     // total payload bytes
 };
 

@@ -22,7 +22,8 @@ namespace {
 // int8:block=8192 and sign:block=65536 are larger than the encoders' L1 block buffer (4096).
 const char* const kSpecs[] = {"fp32",      "fp16",          "bf16",           "int8",
                               "int8:block=64", "int8:block=8192", "sign",       "sign:block=32",
-                              "sign:block=65536", "topk:0.01",  "topk:0.3",     "topk:0.01:values=fp16"};
+                              "sign:block=65536", "topk:0.01",  "topk:0.3",     "topk:0.01:values=fp16",
+                              "topk:0.02:values=int8", "topk:0.3:values=int8"};
 
 // Sizes 0, 1, 7, block - 1, block + 1, 1000003 (block: the codec's, 256 for the others).
 std::vector<size_t> sizes_for(const Codec& c) {
@@ -105,11 +106,30 @@ void check_against_reference(const Codec& codec, const std::vector<float>& c,
       });
       std::vector<char> keep(n, 0);
       for (size_t j = 0; j < k; ++j) keep[order[j]] = 1;
+      if (codec.spec().values == gradzip::TopkValues::int8) {
+        // int8 with one absmax scale per 65536-element chunk, over the values kept in it
+        const size_t chunk = 65536;
+        for (size_t s = 0; s < n; s += chunk) {
+          const size_t e = std::min(n, s + chunk);
+          double absmax = 0;
+          for (size_t i = s; i < e; ++i)
+            if (keep[i]) absmax = std::max(absmax, std::fabs(double(c[i])));
+          const double tol = 0.5 * absmax / 127.0 + 4e-7 * absmax;
+          for (size_t i = s; i < e; ++i) {
+            if (!keep[i] || absmax < std::ldexp(1.0, -100)) {
+              ASSERT_EQ(dec[i], 0.0f) << i;
+              continue;
+            }
+            ASSERT_LE(std::fabs(double(dec[i]) - c[i]), tol) << "element " << i;
+          }
+        }
+        break;
+      }
       for (size_t i = 0; i < n; ++i) {
         float want = 0.0f;
         if (keep[i]) {
           want = c[i];
-          if (codec.spec().fp16_values) {
+          if (codec.spec().values == gradzip::TopkValues::fp16) {
             if (!cpu_has_f16c()) GTEST_SKIP();
             want = ref_fp16_to_float(ref_fp16(c[i]));
           }
@@ -345,7 +365,8 @@ INSTANTIATE_TEST_SUITE_P(AllCodecs, CodecProps, ::testing::ValuesIn(kSpecs),
                          });
 
 INSTANTIATE_TEST_SUITE_P(Topk, TopkTies,
-                         ::testing::Values("topk:0.01", "topk:0.3", "topk:0.01:values=fp16", "topk:1"));
+                         ::testing::Values("topk:0.01", "topk:0.3", "topk:0.01:values=fp16",
+                                           "topk:0.3:values=int8", "topk:1"));
 
 // The blockwise wires bit for bit against their definitions, spelled out here in float: int8's
 // scale absmax / 127 and levels rint(c * (127 / absmax)); sign's mean |c| summed by 32 lanes

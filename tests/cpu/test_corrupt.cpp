@@ -98,7 +98,9 @@ const Case kCases[] = {
     {"cast_flags", "fp16", Status::corrupt_payload, edit([](auto& h) { h.flags = 1; })},
     {"topk_k_zero", "topk:0.01", Status::corrupt_payload, edit([](auto& h) { h.param = 0; })},
     {"topk_k_too_big", "topk:1", Status::corrupt_payload, edit([](auto& h) { h.param = kN + 1; })},
-    {"topk_bad_flags", "topk:0.01", Status::corrupt_payload, edit([](auto& h) { h.flags = 2; })},
+    {"topk_bad_flags", "topk:0.01", Status::corrupt_payload, edit([](auto& h) { h.flags = 4; })},
+    {"topk_fp16_and_int8", "topk:0.01:values=int8", Status::corrupt_payload,
+     edit([](auto& h) { h.flags = 3; })},
     {"payload_bytes_wrong", "int8", Status::corrupt_payload,
      edit([](auto& h) { h.payload_bytes += 1; })},
     {"sign_tail_bits", "sign:block=32", Status::corrupt_payload,
@@ -119,6 +121,8 @@ const Case kCases[] = {
      [](Bytes& w) { topk_ends(w)[1] = 1; }},
     {"topk_offset_padding", "topk:0.01", Status::corrupt_payload,
      [](Bytes& w) { topk_offset_padding(w) = std::byte{1}; }},
+    {"topk_int8_value_padding", "topk:0.01:values=int8", Status::corrupt_payload,  // 10 of 16 bytes
+     [](Bytes& w) { w[gradzip::kHeaderBytes + topk_sections(kN, 10).values + 10] = std::byte{1}; }},
 };
 
 INSTANTIATE_TEST_SUITE_P(All, Corrupt, ::testing::ValuesIn(kCases),
@@ -175,7 +179,8 @@ TEST(CorruptArgs, NullWire) {
 }
 
 TEST(CorruptArgs, EveryValidMessageReadsBack) {
-  for (const char* s : {"fp32", "fp16", "bf16", "int8", "sign", "topk:0.01", "topk:0.01:values=fp16"}) {
+  for (const char* s : {"fp32", "fp16", "bf16", "int8", "sign", "topk:0.01", "topk:0.01:values=fp16",
+                        "topk:0.01:values=int8"}) {
     const Bytes w = valid(s);
     const auto h = gradzip::read_header(w.data(), w.size());
     EXPECT_EQ(h.count, kN) << s;

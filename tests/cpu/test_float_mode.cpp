@@ -110,7 +110,7 @@ TEST_P(FloatMode, OtherRoundingDirectionsGiveTheSameBytes) {
 
 INSTANTIATE_TEST_SUITE_P(Codecs, FloatMode,
                          ::testing::Values("fp32", "fp16", "bf16", "int8", "sign", "topk:0.01",
-                                           "topk:0.05:values=fp16"),
+                                           "topk:0.05:values=fp16", "topk:0.05:values=int8"),
                          [](const auto& info) {
                            std::string s = info.param;
                            for (char& c : s)

@@ -19,14 +19,16 @@ TEST(Spec, ParsesEveryForm) {
   const Codec t = Codec::parse("topk:0.01");
   EXPECT_EQ(t.kind(), CodecKind::topk);
   EXPECT_DOUBLE_EQ(t.spec().ratio, 0.01);
-  EXPECT_FALSE(t.spec().fp16_values);
-  EXPECT_TRUE(Codec::parse("topk:0.5:values=fp16").spec().fp16_values);
-  EXPECT_FALSE(Codec::parse("topk:1:values=fp32").spec().fp16_values);
+  EXPECT_EQ(t.spec().values, gradzip::TopkValues::f32);
+  EXPECT_EQ(Codec::parse("topk:0.5:values=fp16").spec().values, gradzip::TopkValues::fp16);
+  EXPECT_EQ(Codec::parse("topk:0.5:values=int8").spec().values, gradzip::TopkValues::int8);
+  EXPECT_EQ(Codec::parse("topk:1:values=fp32").spec().values, gradzip::TopkValues::f32);
 }
 
 TEST(Spec, NameRoundTrips) {
   for (const char* s : {"fp32", "fp16", "bf16", "int8", "int8:block=64", "sign", "sign:block=32",
                         "topk:0.01", "topk:0.3", "topk:0.01:values=fp16", "topk:1",
+                        "topk:0.02:values=int8",
                         "topk:0.123456789012345"}) {
     const Codec c = Codec::parse(s);
     EXPECT_EQ(Codec::parse(c.name()), c) << s << " -> " << c.name();
@@ -68,7 +70,7 @@ INSTANTIATE_TEST_SUITE_P(
                       BadSpec{"FP16", "'FP16'"}, BadSpec{"fp16 ", "'fp16 '"},
                       BadSpec{"int8:block=64:block=128", "duplicate option 'block'"},
                       BadSpec{"topk:0.1:values=fp16:values=fp32", "duplicate option 'values'"},
-                      BadSpec{"topk:0.1:values=int8", "values='int8'"},
+                      BadSpec{"topk:0.1:values=int4", "values='int4'"},
                       BadSpec{"int8:block=64:", "stray ':'"}, BadSpec{"int8:64", "'64'"},
                       BadSpec{"fp16:block=64", "unknown option 'block'"},
                       BadSpec{"int8:values=fp16", "unknown option 'values'"},
@@ -94,10 +96,11 @@ TEST(Spec, TopkK) {
 }
 
 TEST(Spec, SizesMatchTheLayout) {
-  for (const char* s : {"fp32", "fp16", "bf16", "int8", "sign:block=32", "topk:0.3:values=fp16"}) {
+  for (const char* s : {"fp32", "fp16", "bf16", "int8", "sign:block=32", "topk:0.3:values=fp16",
+                        "topk:0.3:values=int8"}) {
     const Codec c = Codec::parse(s);
     for (size_t n : {0, 1, 7, 1000, 1000003}) {
-      const auto l = gradzip::payload_layout(c.kind(), n, c.wire_param(n), c.spec().fp16_values);
+      const auto l = gradzip::payload_layout(c.kind(), n, c.wire_param(n), c.wire_flags());
       EXPECT_EQ(c.encoded_bytes(n), gradzip::kHeaderBytes + l.bytes) << s << " n=" << n;
     }
   }

@@ -17,11 +17,15 @@ using gradzip::WireStatus;
 
 // The rules are constexpr: the size of a message and the verdict on a header are known at
 // compile time.
-static_assert(gradzip::message_bytes(CodecKind::int8, 257, 256, false) == 32 + 16 + 257);
-static_assert(gradzip::message_bytes(CodecKind::sign, 33, 32, false) == 32 + 16 + 8);
+static_assert(gradzip::message_bytes(CodecKind::int8, 257, 256, 0) == 32 + 16 + 257);
+static_assert(gradzip::message_bytes(CodecKind::sign, 33, 32, 0) == 32 + 16 + 8);
 // top-k: one chunk end (4 bytes, padded to 16), 3 u16 offsets (padded to 16), 3 fp16 values
-static_assert(gradzip::message_bytes(CodecKind::topk, 100, 3, true) == 32 + 16 + 16 + 6);
-static_assert(gradzip::message_bytes(CodecKind::topk, 65537, 9, false) == 32 + 16 + 32 + 36);
+static_assert(gradzip::message_bytes(CodecKind::topk, 100, 3, gradzip::kTopkFlagFp16Values) ==
+              32 + 16 + 16 + 6);
+static_assert(gradzip::message_bytes(CodecKind::topk, 65537, 9, 0) == 32 + 16 + 32 + 36);
+// int8 values: 9 bytes padded to 16, then two chunks' f32 scales
+static_assert(gradzip::message_bytes(CodecKind::topk, 65537, 9, gradzip::kTopkFlagInt8Values) ==
+              32 + 16 + 32 + 16 + 8);
 constexpr uint16_t kVersion = gradzip::kWireVersion;
 static_assert(gradzip::message_slot_bytes(33) == 48 && gradzip::message_slot_bytes(48) == 48);
 static_assert(gradzip::check_header(gradzip::WireHeader{gradzip::kWireMagic, kVersion, 3, 0, 257, 256, 0, 16 + 257},
@@ -33,7 +37,7 @@ static_assert(gradzip::check_header(gradzip::WireHeader{gradzip::kWireMagic, kVe
 
 const char* const kSpecs[] = {"fp32",          "fp16",   "bf16",          "int8",
                               "int8:block=32", "int8:block=65536", "sign", "sign:block=32",
-                              "sign:block=4096", "topk:0.01", "topk:0.1:values=fp16", "topk:1",
+                              "sign:block=4096", "topk:0.01", "topk:0.1:values=fp16", "topk:0.1:values=int8", "topk:1",
                               "topk:1e-9"};
 
 const uint64_t kSizes[] = {0,     1,     2,     31,    32,      33,          255,
@@ -51,7 +55,7 @@ TEST(Wire, SizeQueriesAgreeWithTheSharedLayout) {
         continue;
       }
       const uint32_t param = codec.wire_param(n);
-      const uint64_t bytes = gradzip::message_bytes(codec.kind(), n, param, codec.spec().fp16_values);
+      const uint64_t bytes = gradzip::message_bytes(codec.kind(), n, param, codec.wire_flags());
       EXPECT_EQ(codec.encoded_bytes(n), bytes) << at;
       const gradzip::WireHeader h = codec.wire_header(n);
       EXPECT_EQ(gradzip::kHeaderBytes + h.payload_bytes, bytes) << at;

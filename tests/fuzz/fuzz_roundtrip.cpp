@@ -39,7 +39,8 @@ constexpr const char* kSpecs[] = {
     "fp32",         "fp16",        "bf16",           "int8",          "int8:block=32",
     "int8:block=96", "sign",       "sign:block=32",  "sign:block=64", "topk:0.01",
     "topk:0.1",     "topk:0.5",    "topk:1",         "topk:0.25:values=fp16",
-    "topk:0.001:values=fp16",      "topk:0.3:values=fp32",
+    "topk:0.001:values=fp16",      "topk:0.3:values=fp32", "topk:0.2:values=int8",
+    "topk:0.002:values=int8",
 };
 constexpr size_t kNumSpecs = sizeof kSpecs / sizeof kSpecs[0];
 
@@ -141,7 +142,7 @@ void check_sign(const float* c, const float* d, size_t n, uint32_t block) {
   }
 }
 
-void check_topk(const float* c, const float* d, size_t n, uint64_t k, bool fp16_values) {
+void check_topk(const float* c, const float* d, size_t n, uint64_t k, gradzip::TopkValues values) {
   // Reference selection: largest |c| first (NaN above Inf, as abs-bits order), ties to the lower
   // index; the first k are kept. The encoder makes every NaN canonical (0x7FFFFFFF) first, so all
   // NaNs have one key and tie.
@@ -151,10 +152,33 @@ void check_topk(const float* c, const float* d, size_t n, uint64_t k, bool fp16_
   std::stable_sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) { return key(a) > key(b); });
   std::vector<bool> kept(n, false);
   for (uint64_t j = 0; j < k; ++j) kept[order[j]] = true;
+  if (values == gradzip::TopkValues::int8) {
+    // int8 with one scale per 65536-element chunk from the kept values' absmax: as int8's blocks
+    // (non-finite: the chunk's kept values decode to NaN; tiny: to zero), the others stay zero.
+    for (size_t b0 = 0; b0 < n; b0 += 65536) {
+      const size_t b1 = std::min<size_t>(n, b0 + 65536);
+      bool nonfinite = false;
+      double absmax = 0;
+      for (size_t i = b0; i < b1; ++i)
+        if (kept[i]) {
+          nonfinite |= !finite(c[i]);
+          absmax = std::max(absmax, std::fabs(static_cast<double>(c[i])));
+        }
+      for (size_t i = b0; i < b1; ++i) {
+        if (!kept[i]) GZ_FUZZ_CHECK(d[i] == 0.0f);
+        else if (nonfinite) GZ_FUZZ_CHECK(std::isnan(d[i]));
+        else if (absmax < std::ldexp(1.0, -100)) GZ_FUZZ_CHECK(d[i] == 0.0f);
+        else
+          GZ_FUZZ_CHECK(std::fabs(static_cast<double>(d[i]) - c[i]) <=
+                        absmax * (1.0 / 254.0 + std::ldexp(1.0, -20)));
+      }
+    }
+    return;
+  }
   for (size_t i = 0; i < n; ++i) {
     if (!kept[i]) {
       GZ_FUZZ_CHECK(d[i] == 0.0f);
-    } else if (fp16_values) {
+    } else if (values == gradzip::TopkValues::fp16) {
       check_fp16(c[i], d[i]);
     } else {
       GZ_FUZZ_CHECK(std::isnan(c[i]) ? std::isnan(d[i]) : same_bits(d[i], c[i]));
@@ -239,7 +263,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     case CodecKind::bf16: for (size_t i = 0; i < n; ++i) check_bf16(c[i], d[i]); break;
     case CodecKind::int8: check_int8(c.data(), d.get(), n, s.block); break;
     case CodecKind::sign: check_sign(c.data(), d.get(), n, s.block); break;
-    case CodecKind::topk: check_topk(c.data(), d.get(), n, codec.topk_k(n), s.fp16_values); break;
+    case CodecKind::topk: check_topk(c.data(), d.get(), n, codec.topk_k(n), s.values); break;
   }
 
   if (feedback) {

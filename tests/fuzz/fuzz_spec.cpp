@@ -58,7 +58,7 @@ void check_valid(const Codec& c) {
     } else if (s.kind == CodecKind::int8 || s.kind == CodecKind::sign) {
       GZ_FUZZ_CHECK(param == s.block);
     }
-    const auto layout = gradzip::payload_layout(s.kind, n, param, s.fp16_values);
+    const auto layout = gradzip::payload_layout(s.kind, n, param, c.wire_flags());
     GZ_FUZZ_CHECK(c.encoded_bytes(n) == gradzip::kHeaderBytes + layout.bytes);
   }
 }
@@ -82,7 +82,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     s.kind = static_cast<CodecKind>(data[0]);
     s.block = load<uint32_t>(data + 1);
     s.ratio = load<double>(data + 5);
-    s.fp16_values = data[13] & 1;
+    s.values = static_cast<gradzip::TopkValues>(data[13] & 3);  // 3: not a value type
     std::optional<Codec> built;
     const Outcome rb = call([&] { built.emplace(s); });
     check_outcome(rb);

@@ -129,11 +129,13 @@ inline std::optional<gradzip::WireHeader> reference_validate(const uint8_t* data
       break;
     }
     case CodecKind::topk: {
-      if (h.flags & ~gradzip::kTopkFlagFp16Values) return std::nullopt;
+      // flags: 0 f32 values, 1 fp16, 2 int8 (then padding and an f32 scale per chunk)
+      if (h.flags > 2) return std::nullopt;
       if (h.param > h.count) return std::nullopt;
       const u128 k = h.param, chunks = (n + 65535) / 65536;
-      expect = (4 * chunks + 15) / 16 * 16 + (2 * k + 15) / 16 * 16 +
-               ((h.flags & gradzip::kTopkFlagFp16Values) ? 2 : 4) * k;
+      expect = (4 * chunks + 15) / 16 * 16 + (2 * k + 15) / 16 * 16;
+      if (h.flags == 2) expect += (k + 15) / 16 * 16 + 4 * chunks;
+      else expect += (h.flags == 1 ? 2 : 4) * k;
       break;
     }
   }
@@ -149,6 +151,9 @@ inline std::optional<gradzip::WireHeader> reference_validate(const uint8_t* data
     for (uint64_t b = 4 * chunks; b < offsets; ++b) if (p[b] != 0) return std::nullopt;
     for (uint64_t b = offsets + 2 * uint64_t{h.param}; b < values; ++b)
       if (p[b] != 0) return std::nullopt;
+    if (h.flags == 2)  // the int8 values' padding
+      for (uint64_t b = values + h.param; b < values + (uint64_t{h.param} + 15) / 16 * 16; ++b)
+        if (p[b] != 0) return std::nullopt;
     uint64_t j = 0, previous = 0;
     for (uint64_t c = 0; c < chunks; ++c) {
       const uint64_t end = load<uint32_t>(p + 4 * c);

@@ -62,6 +62,7 @@ int main(int argc, char** argv) {
       {"sign:block=32", 100, false}, {"sign", 37, true},     {"topk:0.1", 100, false},
       {"topk:0.2:values=fp16", 50, true}, {"topk:1", 3, false},
       {"topk:0.01", 65536 + 77, false},  // two index chunks, the second one partial
+      {"topk:0.02:values=int8", 65536 + 300, true},  // a scale per chunk
   };
   for (const Seed& s : seeds) {
     const gradzip::Codec codec = gradzip::Codec::parse(s.spec);
@@ -78,7 +79,7 @@ int main(int argc, char** argv) {
   }
 
   // Round trip: byte 0 = spec index, byte 1 = flags, then values (see fuzz_roundtrip.cpp).
-  for (int spec = 0; spec < 16; ++spec) {
+  for (int spec = 0; spec < 18; ++spec) {  // one per entry of fuzz_roundtrip.cpp's kSpecs
     const uint8_t flags = static_cast<uint8_t>((spec * 5) & 31);
     std::vector<uint8_t> in = {static_cast<uint8_t>(spec), flags};
     if (flags & 2) {  // one byte per value from the table of edge cases
@@ -94,7 +95,8 @@ int main(int argc, char** argv) {
 
   const char* specs[] = {"fp32", "fp16", "bf16", "int8", "int8:block=4096", "sign",
                          "sign:block=32", "topk:0.01", "topk:0.5:values=fp16", "topk:1:values=fp32",
-                         "topk:1e-3", "int8:block=33", "topk:0", "sign:block=65568"};
+                         "topk:1e-3", "int8:block=33", "topk:0", "sign:block=65568",
+                         "topk:0.05:values=int8", "topk:0.1:values=fp8"};
   for (const char* s : specs) write(out / "spec", file_name(s), s, std::string(s).size());
   return 0;
 }

@@ -58,7 +58,7 @@ inline std::vector<std::pair<std::string, WireBytes>> corruptions(const gradzip:
 
   const auto h = peek<gradzip::WireHeader>(good, 0);
   const auto kind = codec.kind();
-  const auto l = gradzip::payload_layout(kind, n, h.param, codec.spec().fp16_values);
+  const auto l = gradzip::payload_layout(kind, n, h.param, h.flags);
   if ((kind == gradzip::CodecKind::int8 || kind == gradzip::CodecKind::sign) && n > 0) {
     const size_t nb = (n + h.param - 1) / h.param;
     if (4 * nb < l.section1)

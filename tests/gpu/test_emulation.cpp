@@ -29,7 +29,8 @@ using gradzip::WireCheck;
 using gradzip::WireStatus;
 
 const char* const kSpecs[] = {"fp32", "fp16", "bf16", "int8", "int8:block=32", "sign",
-                              "sign:block=4096", "topk:0.01", "topk:0.1:values=fp16", "topk:1"};
+                              "sign:block=4096", "topk:0.01", "topk:0.1:values=fp16", "topk:0.1:values=int8",
+                              "topk:1"};
 
 TEST(Emulation, SmallestIndexFaultIsTheFirstInIndexOrder) {
   size_t faulty = 0;  // messages with a bad index: the comparison below must have run

@@ -31,7 +31,7 @@ const char* const kSpecs[] = {"fp32",          "fp16",           "bf16",
                               "int8",          "int8:block=32",  "int8:block=4096",
                               "int8:block=96", "sign",           "sign:block=32",
                               "sign:block=4096", "sign:block=96",
-                              "topk:0.01",     "topk:0.1:values=fp16", "topk:1",
+                              "topk:0.01",     "topk:0.1:values=fp16", "topk:0.1:values=int8", "topk:1",
                               "topk:0.0001"};
 constexpr float kPrescale = 1.0f / 3.0f;  // not a power of two: exercises the two roundings
 constexpr size_t kGuard = 64;             // bytes after each output that must stay untouched

@@ -52,10 +52,14 @@ def test_encoded_bytes_by_formula(n):
     indices = 16 * math.ceil(math.ceil(n / 65536) / 4) + 16 * math.ceil(2 * k / 16)
     assert cm.Codec.parse("topk:0.01").encoded_bytes(n) == 32 + indices + 4 * k
     assert cm.Codec.parse("topk:0.01:values=fp16").encoded_bytes(n) == 32 + indices + 2 * k
+    # int8: k bytes padded to 16, then a f32 scale per chunk
+    scales = 4 * math.ceil(n / 65536)
+    assert cm.Codec.parse("topk:0.01:values=int8").encoded_bytes(n) == (
+        32 + indices + 16 * math.ceil(k / 16) + scales)
 
 
 @pytest.mark.parametrize("spec", ["bf16", "int8", "sign", "int8:block=64", "topk:0.01",
-                                  "topk:0.3:values=fp16"])
+                                  "topk:0.3:values=fp16", "topk:0.3:values=int8"])
 @pytest.mark.parametrize("n", [1, 7, 1025, 100_003])
 def test_encoded_bytes_match_gradzip(spec, n):
     import torch

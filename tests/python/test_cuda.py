@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and gradzip.cuda_
                                 reason="needs a GPU and a CUDA build of gradzip")
 
 SPECS = ["fp32", "fp16", "bf16", "int8", "int8:block=32", "sign", "sign:block=64", "topk:0.01",
-         "topk:0.1:values=fp16"]
+         "topk:0.1:values=fp16", "topk:0.1:values=int8"]
 
 
 @pytest.mark.parametrize("spec", SPECS)

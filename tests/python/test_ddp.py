@@ -13,7 +13,8 @@ import ddp_scenarios as sc
 from dist_util import run_ranks
 from gradzip.simulation import SimulatedWorkers
 
-CODECS = ["fp32", "fp16", "bf16", "int8", "sign:block=64", "topk:0.1", "topk:0.05:values=fp16"]
+CODECS = ["fp32", "fp16", "bf16", "int8", "sign:block=64", "topk:0.1", "topk:0.05:values=fp16",
+          "topk:0.05:values=int8"]
 
 
 def load(outdir, name, world):

@@ -7,7 +7,9 @@ gradzip encoder, decoder or layout helper is called):
   * each rank forms c = fl32(fl32(g * fl32(1/W)) + e), e its residual;
   * the bucket is cut into W shards (the first n % W get n // W + 1 elements); in each shard of m
     elements every rank keeps its k = min(m, max(1, ceil(ratio * m))) largest |c| (ties to the
-    lowest index), values as fp32 or fp16; its residual becomes c - kept value (c where not kept);
+    lowest index), values as fp32, fp16 or int8 (a scale per 65536 elements of the shard: the
+    kept values' absmax / 127, q = round(c * (127 / absmax)), value q * scale); its residual
+    becomes c - kept value (c where not kept);
   * the shard's owner adds the W kept values in rank order into fp32 zeros, adds its owner residual
     o (c_owner = fl32(sum + o)), keeps the k largest |c_owner| of the shard (values rounded as the
     ranks'), and its owner residual becomes c_owner - kept value;
@@ -40,11 +42,23 @@ def top(c: torch.Tensor, k: int) -> torch.Tensor:
     return keep
 
 
-def value(c: torch.Tensor, fp16: bool) -> torch.Tensor:
-    return c.to(torch.float32).to(torch.float16).to(F64) if fp16 else c
+def value(c: torch.Tensor, keep: torch.Tensor, values: str) -> torch.Tensor:
+    """What the kept values of one message decode to (zero where not kept)."""
+    if values == "fp16":
+        c = c.to(torch.float32).to(torch.float16).to(F64)
+    if values == "int8":
+        out = torch.zeros_like(c)
+        for a in range(0, c.numel(), 65536):
+            x = torch.where(keep[a:a + 65536], c[a:a + 65536], 0.0)
+            amax = x.abs().max()
+            if amax >= 2.0 ** -100:
+                q = torch.round(f32(x * f32(127 / amax))).clamp(-127, 127)
+                out[a:a + 65536] = f32(q * f32(amax / 127))
+        c = out
+    return torch.where(keep, c, 0.0)
 
 
-def reference(ratio, fp16, grads, residuals, owner_residual):
+def reference(ratio, values, grads, residuals, owner_residual):
     """(average, worker residuals, owner residual) of one step; owner_residual: n floats, shard j
     held by rank j."""
     world, n = len(grads), grads[0].numel()
@@ -63,12 +77,12 @@ def reference(ratio, fp16, grads, residuals, owner_residual):
         total = torch.zeros(m, dtype=F64)
         for r, c in enumerate(cs):
             keep = top(c[a:b], k)
-            sent = torch.where(keep, value(c[a:b], fp16), 0.0)
+            sent = value(c[a:b], keep, values)
             res[r][a:b] = f32(c[a:b] - sent)
             total = f32(total + sent)
         c_owner = f32(total + owner[a:b])
         keep = top(c_owner, k)
-        kept = torch.where(keep, value(c_owner, fp16), 0.0)
+        kept = value(c_owner, keep, values)
         out[a:b] = kept
         owner[a:b] = f32(c_owner - kept)
     return out, res, owner
@@ -80,9 +94,10 @@ def owner_residual_of(sim, world, n):
 
 
 @pytest.mark.parametrize("world", [2, 3, 5])
-@pytest.mark.parametrize("spec,ratio,fp16", [("topk:0.1", 0.1, False),
-                                             ("topk:0.03:values=fp16", 0.03, True)])
-def test_against_float64_reference(spec, ratio, fp16, world):
+@pytest.mark.parametrize("spec,ratio,values", [("topk:0.1", 0.1, "fp32"),
+                                               ("topk:0.03:values=fp16", 0.03, "fp16"),
+                                               ("topk:0.04:values=int8", 0.04, "int8")])
+def test_against_float64_reference(spec, ratio, values, world):
     n = 4099 + world  # odd shard sizes
     numels = [1500, 37, n - 1537]
     sim = SimulatedWorkers(spec, world, min_compress_numel=0, cast_sum="fp32")
@@ -94,7 +109,7 @@ def test_against_float64_reference(spec, ratio, fp16, world):
         scales = torch.cat([torch.full((m,), s) for m, s in zip(numels, (1.0, 50.0, 1e-3))])
         grads = [torch.randn(n, generator=gen) * scales for _ in range(world)]
         out = sim.reduce(grads, numels=numels).to(F64)
-        want, want_res, want_owner = reference(ratio, fp16, grads, res, owner)
+        want, want_res, want_owner = reference(ratio, values, grads, res, owner)
         assert torch.equal(out, want), f"step {step}: {(out != want).sum()} outputs differ"
         got_res = [w[0]["residual"].to(F64) for w in sim.state_dict()["workers"]]
         for r in range(world):

@@ -16,7 +16,7 @@ from gradzip import costmodel as cm
 
 SPECS = ["fp32", "fp16", "bf16", "int8", "int8:block=32", "int8:block=65536", "sign",
          "sign:block=32", "sign:block=4096", "topk:0.01", "topk:0.3:values=fp16", "topk:1",
-         "topk:1e-9", "topk:0.5:values=fp32"]
+         "topk:1e-9", "topk:0.5:values=fp32", "topk:0.02:values=int8", "topk:0.7:values=int8"]
 # 0, 1, odd sizes, both sides of the block and sign-word boundaries, large, and the limits.
 SIZES = [0, 1, 2, 3, 31, 32, 33, 255, 256, 257, 1023, 1024, 1025, 4095, 4096, 4097, 65535, 65536,
          65537, 1_000_003, 2**31 + 1, 2**32 - 1, 2**32, 2**40 + 7, 2**48, 2**48 + 1]
@@ -26,7 +26,7 @@ ENCODE_UP_TO = 70_000  # sizes at which a real message is encoded too
 def pure(spec: str, n: int) -> int:
     """gradzip.wire's size of a message, from the spec's parts as the cost model parses them."""
     c = cm.Codec.parse(spec)
-    return wire.encoded_bytes(c.kind, n, c.block, c.ratio, c.fp16_values)
+    return wire.encoded_bytes(c.kind, n, c.block, c.ratio, c.values)
 
 
 def sizes_or_error(fn):
@@ -52,8 +52,8 @@ def test_a_real_message_has_the_size_and_header_of_every_definition(spec):
         _, _, codec, _, count, param, flags, payload_bytes = _ops.header(payload)
         want_param = wire.topk_k(c.ratio, n) if c.kind == "topk" else c.block
         assert (codec, count, param, flags) == (wire.KINDS.index(c.kind), n, want_param,
-                                                int(c.fp16_values)), (spec, n)
-        assert payload_bytes == wire.payload_bytes(c.kind, n, param, c.fp16_values), (spec, n)
+                                                wire.TOPK_VALUE_FLAGS[c.values]), (spec, n)
+        assert payload_bytes == wire.payload_bytes(c.kind, n, param, c.values), (spec, n)
         assert payload.numel() == wire.HEADER_BYTES + payload_bytes == pure(spec, n), (spec, n)
         assert c.topk_k(n) == (param if c.kind == "topk" else wire.topk_k(c.ratio, n))
 
@@ -76,7 +76,7 @@ def test_block_rule_agrees(block):
 
 
 @pytest.mark.parametrize("spec", ["fp16", "int8", "int8:block=32", "sign", "topk:0.01",
-                                  "topk:0.3:values=fp16"])
+                                  "topk:0.3:values=fp16", "topk:0.3:values=int8"])
 @pytest.mark.parametrize("world", [2, 3, 8])
 def test_message_slots_agree_with_the_all_reduce(spec, world):
     """The all-reduce's bytes (C++ BucketLayout) follow from gradzip.wire's message slots: every
@@ -111,6 +111,7 @@ VALID_SPECS = [
     "fp32", "fp16", "bf16", "int8", "int8:block=32", "int8:block=0064", "int8:block=65536",
     "sign", "sign:block=4096", "topk:0.01", "topk:1", "topk:1.", "topk:.5", "topk:1e-3",
     "topk:1E-3", "topk:0.5e+0", "topk:00.25", "topk:1e-9:values=fp32", "topk:0.3:values=fp16",
+    "topk:0.3:values=int8",
     "topk:1e-310", "lowrank:1", "lowrank:04", "lowrank:123456789"]
 INVALID_SPECS = [
     "", ":", "zstd", "FP32", " fp32", "fp32 ", "fp32:", "fp32:block=64", "fp16:1", "int8:",

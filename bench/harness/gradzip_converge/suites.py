@@ -103,11 +103,13 @@ LONG_STUDY = (("fp32", False), ("int8", True), ("sign", True), ("topk:0.01:value
 # shard's owner keeps the top-k of the sum; bytes per rank flat in W), at 1 % and at 2 % (the
 # all-gathered 1 %'s bytes at 4 workers); and, with 4 bytes per kept element (a u16 index and an
 # fp16 value), the densities that send what 1 % all-gathered sent with 6: 1.5 % all-gathered and
-# 3 % two-phase.
+# 3 % two-phase; with 3 bytes (int8 values, a scale per 65536 elements) the same bytes again buy
+# 2 % all-gathered and 4 % two-phase.
 TWO_PHASE = {"cast_sum": "fp32"}
 TOPK_STUDY = (("fp32", False), ("topk:0.01:values=fp16", True),
               ("topk:0.01:values=fp16", True, TWO_PHASE), ("topk:0.02:values=fp16", True, TWO_PHASE),
-              ("topk:0.015:values=fp16", True), ("topk:0.03:values=fp16", True, TWO_PHASE))
+              ("topk:0.015:values=fp16", True), ("topk:0.03:values=fp16", True, TWO_PHASE),
+              ("topk:0.02:values=int8", True), ("topk:0.04:values=int8", True, TWO_PHASE))
 
 # Local steps (gradzip.local_steps, DiLoCo's outer loop) on cpu-lm: each worker trains its own
 # replica with AdamW and the replicas sync every H steps, the outer gradient compressed with error
@@ -189,8 +191,9 @@ SUITES = {
     "cpu-lm-topk": Suite(
         "cpu-lm-topk",
         CPU_LM, TOPK_STUDY, "cpu",
-        "cpu-lm's top-k forms under the recipe: all-gathered 1 % and 1.5 %, and the two-phase "
-        "exchange (bytes per rank flat in the number of workers) at 1 %, 2 % and 3 %"),
+        "cpu-lm's top-k forms under the recipe: all-gathered 1 %, 1.5 % and 2 % (int8 values), "
+        "and the two-phase exchange (bytes per rank flat in the number of workers) at 1 %, 2 %, "
+        "3 % and 4 % (int8 values)"),
     "cpu-lm-local": Suite(
         "cpu-lm-local",
         CPU_LM_LOCAL, LOCAL_STUDY, "cpu",

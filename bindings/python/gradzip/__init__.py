@@ -1,7 +1,7 @@
 """gradzip: gradient compression codecs with fused error feedback, for PyTorch.
 
 The ops run on CPU tensors (and on CUDA tensors, on the current stream, when gradzip was built with
-CUDA). Codec specs: ``fp32 | fp16 | bf16 | int8[:block=N] | sign[:block=N] | topk:RATIO[:values=fp16]``.
+CUDA). Codec specs: ``fp32 | fp16 | bf16 | int8[:block=N] | sign[:block=N] | topk:RATIO[:values=fp16|int8]``.
 
     payload = gradzip.encode(x, "int8")               # uint8 tensor: 32-byte header + payload
     y = gradzip.decode(payload)                       # float32 tensor, x.numel() elements

@@ -22,6 +22,10 @@ HEADER_BYTES = 32
 MAX_COUNT = 1 << 48  # largest element count of a message
 TOPK_MAX_COUNT = 0xFFFFFFFF  # top-k indices stay below 2^32
 TOPK_INDEX_CHUNK = 1 << 16  # a top-k index travels as its chunk's end and a u16 offset in it
+# How top-k's values travel (values=...): the header's flags and the bytes per kept value; int8
+# adds one f32 scale per index chunk.
+TOPK_VALUE_FLAGS = {"fp32": 0, "fp16": 1, "int8": 2}
+TOPK_VALUE_BYTES = {"fp32": 4, "fp16": 2, "int8": 1}
 MIN_BLOCK, MAX_BLOCK = 32, 65536
 DEFAULT_INT8_BLOCK = 256
 DEFAULT_SIGN_BLOCK = 1024
@@ -70,12 +74,12 @@ def allreduce_collective(kind: str, cast_sum: str) -> str:
 @dataclass(frozen=True)
 class Spec:
     """A parsed gradzip codec spec: fp32 | fp16 | bf16 | int8[:block=N] | sign[:block=N] |
-    topk:RATIO[:values=fp32|fp16] | lowrank:RANK."""
+    topk:RATIO[:values=fp32|fp16|int8] | lowrank:RANK."""
 
     kind: str  # KINDS, or "lowrank"
     block: int = 0  # int8, sign
     ratio: float = 0.0  # topk
-    fp16_values: bool = False  # topk
+    values: str = "fp32"  # topk: TOPK_VALUE_BYTES's keys
     rank: int = 0  # lowrank
 
 
@@ -123,10 +127,10 @@ def parse_spec(spec: str) -> Spec:
             if not (_UNSIGNED.fullmatch(value) and valid_block(int(value))):
                 bad(f"block={value} must be a multiple of 32 in [32, 65536]")
             fields["block"] = int(value)
-        elif value in ("fp32", "fp16"):
-            fields["fp16_values"] = value == "fp16"
+        elif value in TOPK_VALUE_BYTES:
+            fields["values"] = value
         else:
-            bad(f"values={value!r} must be fp32 or fp16")
+            bad(f"values={value!r} must be fp32, fp16 or int8")
     return Spec(**fields)
 
 
@@ -148,7 +152,7 @@ def topk_k(ratio: float, n: int) -> int:
     return 0 if n == 0 else min(n, max(1, math.ceil(ratio * n)))
 
 
-def payload_bytes(kind: str, n: int, param: int, fp16_values: bool = False) -> int:
+def payload_bytes(kind: str, n: int, param: int, values: str = "fp32") -> int:
     """Bytes after the header; param: the block (int8, sign) or k (top-k)."""
     if kind == "fp32":
         return 4 * n
@@ -158,14 +162,17 @@ def payload_bytes(kind: str, n: int, param: int, fp16_values: bool = False) -> i
         return align16(4 * ceil_div(n, param)) + n
     if kind == "sign":
         return align16(4 * ceil_div(n, param)) + 4 * ceil_div(n, 32)
-    if kind == "topk":  # chunk ends, u16 offsets, values
+    if kind == "topk":  # chunk ends, u16 offsets, values (int8: padded, then a scale per chunk)
         chunks = ceil_div(n, TOPK_INDEX_CHUNK)
-        return align16(4 * chunks) + align16(2 * param) + param * (2 if fp16_values else 4)
+        head = align16(4 * chunks) + align16(2 * param)
+        if values == "int8":
+            return head + align16(param) + 4 * chunks
+        return head + param * TOPK_VALUE_BYTES[values]
     raise ValueError(f"{kind} has no gradzip wire format")
 
 
 def encoded_bytes(kind: str, n: int, block: int = 0, ratio: float = 0.0,
-                  fp16_values: bool = False) -> int:
+                  values: str = "fp32") -> int:
     """Header + payload bytes of one message of n elements (gradzip::Codec::encoded_bytes; a
     ValueError where that raises: n outside the limits)."""
     if not 0 <= n <= MAX_COUNT:
@@ -176,7 +183,7 @@ def encoded_bytes(kind: str, n: int, block: int = 0, ratio: float = 0.0,
         param = topk_k(ratio, n)
     else:
         param = block if kind in ("int8", "sign") else 0
-    return HEADER_BYTES + payload_bytes(kind, n, param, fp16_values)
+    return HEADER_BYTES + payload_bytes(kind, n, param, values)
 
 
 def message_slot_bytes(nbytes: int) -> int:

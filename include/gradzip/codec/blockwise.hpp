@@ -35,7 +35,7 @@ struct BlockwiseWire {
     return align16(scale_bytes(n, block));
   }
   // Payload: the scales, their padding, then ceil(n / kElementsPerWord) words.
-  static GZ_HD constexpr PayloadLayout layout(uint64_t n, uint32_t block, bool /*fp16_values*/) {
+  static GZ_HD constexpr PayloadLayout layout(uint64_t n, uint32_t block, uint32_t /*flags*/) {
     PayloadLayout l{};
     l.section1 = section1(n, block);
     l.bytes = l.section1 + sizeof(Word) * ceil_div(n, kElementsPerWord);

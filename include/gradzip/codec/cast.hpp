@@ -23,7 +23,7 @@ struct CastCodec {
   static constexpr bool all_gathered = false;
 
   // Payload: n values of Wire, one section.
-  static GZ_HD constexpr PayloadLayout layout(uint64_t n, uint32_t /*param*/, bool /*fp16_values*/) {
+  static GZ_HD constexpr PayloadLayout layout(uint64_t n, uint32_t /*param*/, uint32_t /*flags*/) {
     PayloadLayout l{};
     l.bytes = sizeof(Wire) * n;
     return l;

@@ -43,7 +43,7 @@ struct SignCodec : BlockwiseWire<uint32_t, 32> {
   static GZ_HD WireCheck check_padding(const WireHeader& h, const uint8_t* payload) {
     const WireCheck r = check_scale_padding(h, payload);
     if (r.status != WireStatus::ok) return r;
-    const uint64_t bytes = layout(h.count, h.param, false).bytes;
+    const uint64_t bytes = layout(h.count, h.param, 0).bytes;
     if (h.count % 32 != 0 && (load_u32(payload + bytes - 4) >> (h.count % 32)) != 0)
       return {WireStatus::bad_padding, bytes - 4};
     return {WireStatus::ok, 0};

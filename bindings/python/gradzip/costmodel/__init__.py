@@ -50,7 +50,7 @@ TORCH_HOOKS = {"none": "fp32", "allreduce": "fp32", "torch-fp16": "fp16", "torch
 @dataclass(frozen=True)
 class Codec:
     """A parsed codec or hook name: gradzip's fp32 | fp16 | bf16 | int8[:block=N] | sign[:block=N]
-    | topk:RATIO[:values=fp16] | lowrank:RANK, or PyTorch's none | torch-fp16 | torch-bf16 |
+    | topk:RATIO[:values=fp16|int8] | lowrank:RANK, or PyTorch's none | torch-fp16 | torch-bf16 |
     powersgd[:RANK].
     collective: allreduce (PyTorch's hooks) | cast_allreduce | two_phase | allgather | powersgd |
     lowrank.
@@ -63,7 +63,7 @@ class Codec:
     collective: str = "two_phase"
     block: int = 0
     ratio: float = 0.0
-    fp16_values: bool = False
+    values: str = "fp32"  # topk
     rank: int = 0  # powersgd, lowrank
     uncompressed_numel: int = 0
 
@@ -87,14 +87,14 @@ class Codec:
             return Codec("powersgd", "powersgd", rank=rank)
         s = wire.parse_spec(name)  # gradzip's own codecs: the extension's grammar
         return Codec(s.kind, wire.allreduce_collective(s.kind, cast_sum), s.block, s.ratio,
-                     s.fp16_values, s.rank)
+                     s.values, s.rank)
 
     def topk_k(self, n: int) -> int:
         return wire.topk_k(self.ratio, n)
 
     def encoded_bytes(self, n: int) -> int:
         """Header + payload bytes of one gradzip message of n elements."""
-        return wire.encoded_bytes(self.kind, n, self.block, self.ratio, self.fp16_values)
+        return wire.encoded_bytes(self.kind, n, self.block, self.ratio, self.values)
 
     def uncompressed_elements(self, shapes: Iterable[Shape]) -> int:
         """Elements of a bucket of these tensors that travel in fp32 (uncompressed_numel, and the

@@ -293,19 +293,29 @@ void write_indices(const uint32_t* idx, uint64_t k, size_t n, const PayloadLayou
 }
 
 // int8 values, after the selection left their residuals untouched: per index chunk, its kept
-// values c (computed again, as the selection did) give the chunk's scale, then their int8s and
-// residuals.
+// values c (computed again, as the selection did, into `scratch`: the candidates' workspace, free
+// now) give the chunk's scale, then their int8s and residuals.
 void quantize_int8_values(const EncodeArgs& a, const uint32_t* idx, uint64_t k, size_t n,
-                          const PayloadLayout& l, char* payload) {
+                          const PayloadLayout& l, char* payload, float* scratch) {
   const auto* ends = reinterpret_cast<const uint32_t*>(payload + l.section0);
   auto* q = reinterpret_cast<int8_t*>(payload + l.section2);
   auto* scales = reinterpret_cast<float*>(payload + l.section3);
   std::memset(payload + l.section2 + k, 0, l.section3 - l.section2 - k);
   parallel_items(topk_index_chunks(n), threads_for(k), [&](size_t c) {
-    const uint64_t begin = c == 0 ? 0 : ends[c - 1];
+    const uint64_t begin = c == 0 ? 0 : ends[c - 1], count = ends[c] - begin;
     const uint32_t* at = idx + begin;
+    float* kept = scratch + begin;
+    // Scattered reads: ask for the lines a few elements ahead.
+    constexpr uint64_t kAhead = 16;
+    for (uint64_t j = 0; j < count; ++j) {
+      if (j + kAhead < count) {
+        __builtin_prefetch(a.grad + at[j + kAhead]);
+        if (a.residual) __builtin_prefetch(a.residual + at[j + kAhead]);
+      }
+      kept[j] = encode_input(a, at[j]);
+    }
     scales[c] = el::topk_quantize_chunk(
-        ends[c] - begin, [&](uint64_t j) { return encode_input(a, at[j]); },
+        count, [&](uint64_t j) { return kept[j]; },
         [&](uint64_t j, float cj, int8_t level, float decoded) {
           q[begin + j] = level;
           if (a.residual) a.residual[at[j]] = el::ef_residual(cj, decoded, a.residual[at[j]]);
@@ -340,7 +350,8 @@ void encode_cpu(TopkCodec, const CpuEncode& job) {
   }
   write_indices(p.idx, k, n, job.layout, job.payload);
   if (p.value_type == TopkValues::int8)
-    quantize_int8_values(job.a, p.idx, k, n, job.layout, job.payload);
+    quantize_int8_values(job.a, p.idx, k, n, job.layout, job.payload,
+                         reinterpret_cast<float*>(p.cand));
 }
 
 void decode_cpu(TopkCodec, const CpuDecode& job) {

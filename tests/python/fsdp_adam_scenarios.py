@@ -77,6 +77,28 @@ def resume(rank, world, outdir, codecs, steps=6, stops=(2, 4)):
     _save(outdir, "resume", rank, out)
 
 
+def nonfinite(rank, world, outdir, codec, bad_steps=(1, 4), steps=6):
+    """Rank 0's gradient is NaN at ``bad_steps`` (one in the warm-up, one after the freeze): the
+    sharded gradients (the update) show it on every rank, m, v and the residual keep their values
+    of before the step, which the loop skips (as GradScaler would)."""
+    model, opt, state = build(codec)
+    log = []
+    for step in range(steps):
+        before = state.state_dict()["groups"]
+        scale = float("nan") if step in bad_steps and rank == 0 else 1.0
+        loss_of(model, step, rank, scale).backward()
+        finite = all(torch.isfinite(p.grad.to_local()).all().item() for p in model.parameters())
+        after = state.state_dict()["groups"]  # commits the step: restores a non-finite one
+        kept = all(torch.equal(before[i][k], after[i][k]) if k == "residual" else
+                   torch.equal(before[i]["adam"][k], after[i]["adam"][k])
+                   for i in before for k in ("residual", "m", "v")) if before else False
+        log.append({"finite": finite, "kept": kept})
+        if finite:
+            opt.step()
+        opt.zero_grad()
+    _save(outdir, "nonfinite", rank, {"log": log, "params": local_params(model)})
+
+
 def memory(rank, world, outdir, rows, cols):
     """Bytes of the state this rank keeps after the freeze, per tensor kind, with one
     rows x cols matrix (rows a multiple of W: no padding) and sign."""

@@ -3,7 +3,8 @@ ranks, world sizes 2 and 3, on a model whose odd sizes FSDP pads: every step aga
 reference of the algorithm written here (exact warm-up, then the fp32 codec, whose reduce-scatter
 is an exact average: the reference computes it); one Adam state (the denominator's bits the same
 on every rank and the owner's own, the parameters the same) after the freeze with sign and int8;
-resume from state_dict before and after the freeze; the configurations it refuses."""
+resume from state_dict before and after the freeze; a NaN gradient visible with the state restored;
+the configurations it refuses."""
 
 import pytest
 import torch
@@ -28,7 +29,7 @@ def session(request, tmp_path_factory):
     world = request.param
     outdir = tmp_path_factory.mktemp(f"fsdp_adam{world}")
     plan = [(fa.trajectory, (REFERENCE + ONE_STATE, STEPS)), (fa.resume, (RESUME, STEPS)),
-            (fa.refused, ())]
+            (fa.nonfinite, ("sign",)), (fa.refused, ())]
     run_ranks(sc.session, world, str(outdir), plan, timeout=300)
     return world, outdir
 
@@ -142,6 +143,16 @@ def test_resume_from_state_dict_equals_uninterrupted_run(session):
         for (codec, at), res in run.items():
             for a, b in zip(res["uninterrupted"], res["resumed"]):
                 assert torch.equal(a, b), f"{codec}: rank {rank} diverged after resuming at {at}"
+
+
+def test_nonfinite_gradient_stays_visible_and_the_state_is_restored(session):
+    world, outdir = session
+    for rank, run in enumerate(load(outdir, "nonfinite", world)):
+        log = run["log"]
+        assert [s["finite"] for s in log] == [True, False, True, True, False, True], (rank, log)
+        # a skipped step leaves m, v and the residual as they were; a finite one updates them
+        assert [s["kept"] for s in log[1:]] == [True, False, False, True, False], (rank, log)
+        assert all(torch.isfinite(p).all() for p in run["params"])
 
 
 @pytest.mark.parametrize("case, error", [

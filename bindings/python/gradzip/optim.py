@@ -346,8 +346,9 @@ class _AppliesDirection(torch.optim.Optimizer):
             "accelerator.clip_grad_norm_), GradScaler.unscale_ / scaler.step, or anything else "
             "that edits gradients between backward() and step() would change the update. Clip "
             "with CompressionState(..., max_grad_norm=C) instead (each rank's gradient, before "
-            "it is compressed; state.grad_norm is its norm for logging) and remove the clip from "
-            "the loop; for mixed precision use bf16 autocast without a GradScaler")
+            "it is compressed; state.grad_norm is its norm for logging; gradzip.fsdp has no "
+            "such clip yet) and remove the clip from the loop; for mixed precision use bf16 "
+            "autocast without a GradScaler")
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -52,7 +52,7 @@ def trajectory(rank, world, outdir, configs, steps=6):
 
 def resume(rank, world, outdir, codecs, steps=6, stops=(2, 4)):
     """Training stopped after each of ``stops`` steps (before and after the freeze): the model's
-    shards, the optimizer's and the gradzip state's state_dict (the latter through a pickle)
+    shards, the optimizer's and the gradzip state's state_dict (the latter through a pickle of it)
     loaded into fresh objects; the shards at the end against the uninterrupted run's."""
     out = {}
     for codec in codecs:
@@ -64,14 +64,14 @@ def resume(rank, world, outdir, codecs, steps=6, stops=(2, 4)):
             run(model, opt, rank, 0, at)
             saved = {"params": local_params(model), "opt": copy.deepcopy(opt.state_dict())}
             buf = io.BytesIO()
-            torch.save(state.state_dict(), buf)
+            torch.save(state, buf)  # the state pickles, its optimizer's direction with it
             buf.seek(0)
             model, opt, state = build(codec)
             with torch.no_grad():
                 for p, v in zip(model.parameters(), saved["params"]):
                     p.to_local().copy_(v)
             opt.load_state_dict(saved["opt"])
-            state.load_state_dict(torch.load(buf, weights_only=False))
+            state.load_state_dict(torch.load(buf, weights_only=False).state_dict())
             run(model, opt, rank, at, steps)
             out[(codec, at)] = {"uninterrupted": uninterrupted, "resumed": local_params(model)}
     _save(outdir, "resume", rank, out)

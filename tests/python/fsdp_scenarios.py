@@ -21,10 +21,15 @@ IN, HIDDEN, OUT = 33, 65, 7
 WIDE = 200
 
 
-def make_model(policy=None, divide_factor=None, hidden=HIDDEN):
+def plain_model(hidden=HIDDEN):
+    """The scenarios' model before fully_shard (its initial parameters, for references)."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(IN, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(),
-                          nn.Linear(hidden, OUT))
+    return nn.Sequential(nn.Linear(IN, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(),
+                         nn.Linear(hidden, OUT))
+
+
+def make_model(policy=None, divide_factor=None, hidden=HIDDEN):
+    model = plain_model(hidden)
     kw = {} if policy is None else {"mp_policy": policy}
     for layer in model:
         if isinstance(layer, nn.Linear):
@@ -325,7 +330,15 @@ def lowrank(rank, world, outdir, steps=3, seed=0):
 
 
 def session(rank, world, outdir, plan):
-    """Runs several scenarios in one set of processes (spawning ranks costs seconds each)."""
-    for name, args in plan:
-        globals()[name](rank, world, outdir, *args)
+    """Runs several scenarios in one set of processes (spawning ranks costs seconds each): each
+    a name of this module's or a function of another scenarios module, with its arguments."""
+    for scenario, args in plan:
+        fn = scenario if callable(scenario) else globals()[scenario]
+        fn(rank, world, outdir, *args)
         dist.barrier()
+
+
+def load(outdir, name, world):
+    """What every rank's scenario ``name`` saved (_save), in rank order."""
+    return [torch.load(os.path.join(outdir, f"{name}_{r}.pt"), weights_only=False)
+            for r in range(world)]

@@ -5,7 +5,6 @@ non-finite gradients kept visible, exact resume, async reduce-scatter, mismatche
 against test_lowrank's float64 reference of the whole average, each rank holding its rows."""
 
 import math
-import os
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from gradzip.costmodel import Codec, Link, bucket_cost
 from gradzip.simulation import SimulatedWorkers
 from gradzip.fsdp import FSDPCompressionState
 from test_lowrank import reference
+from fsdp_scenarios import load
 
 LOWRANK = f"lowrank:{lr.RANK}"
 STEP0 = ["fp32", "bf16", "fp16", "int8", "int8:block=64", "sign:block=64", "topk:1", "topk:0.1",
@@ -43,11 +43,6 @@ def session(request, tmp_path_factory):
             ("mismatched", (MISMATCH,))]  # last: it leaves a backward pass unfinished
     run_ranks(sc.session, world, str(outdir), plan, timeout=300)
     return world, outdir
-
-
-def load(outdir, name, world):
-    return [torch.load(os.path.join(outdir, f"{name}_{r}.pt"), weights_only=False)
-            for r in range(world)]
 
 
 def rel(a, b):

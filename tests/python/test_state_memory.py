@@ -1,5 +1,6 @@
-"""docs/guide.md's "Memory per parameter" table against what SimulatedWorkers keeps: every row's
-bytes per parameter of one rank's state, and its backup where the non-finite guard keeps one."""
+"""docs/guide.md's "Memory per parameter" table against what SimulatedWorkers keeps (gradzip.fsdp's
+row: what a rank of two Gloo ranks keeps): every row's bytes per parameter of one rank's state, and
+its backup where the non-finite guard keeps one."""
 
 import re
 from pathlib import Path
@@ -7,6 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
+import fsdp_adam_scenarios
+import fsdp_scenarios
+from dist_util import run_ranks
 from gradzip.optim import CompressedSGD, FrozenVarianceAdamW
 from gradzip.reducer import state_tensors
 from gradzip.simulation import SimulatedWorkers
@@ -38,7 +42,9 @@ SETTINGS = {
         "sign", dict(optimizer=lambda: FrozenVarianceAdamW(params()), warmup_steps=1)),
     "`CompressedSGD`, top-k": ("topk:0.01", dict(optimizer=lambda: CompressedSGD(params()))),
     "`lowrank:R`": ("lowrank:2", {}),
+    "`gradzip.fsdp` with `FrozenVarianceAdamW`": "fsdp",
 }
+FSDP_WORLD = 2  # ROWS is a multiple: FSDP pads nothing
 
 
 def measured(codec: str, kwargs: dict, guard: bool) -> tuple:
@@ -56,10 +62,10 @@ def measured(codec: str, kwargs: dict, guard: bool) -> tuple:
     return state, q / (ROWS * COLS), sim._guards[0] is not None
 
 
-def expected(cell: str, q: float) -> float:
+def expected(cell: str, q: float, world: int = WORLD) -> float:
     """A cell of the table (e.g. "8 + 8/W", "4 + Q", "8 + 2Q") at this test's W and Q."""
     expr = re.sub(r"(\d)Q", r"\1*Q", cell)
-    return eval(expr, {"W": WORLD, "Q": q})  # the table's arithmetic, nothing else
+    return eval(expr, {"W": world, "Q": q})  # the table's arithmetic, nothing else
 
 
 def row_of(config: str) -> tuple:
@@ -68,7 +74,24 @@ def row_of(config: str) -> tuple:
     return matches[0]
 
 
-@pytest.mark.parametrize("config", list(SETTINGS))
+def measured_fsdp(tmp_path) -> tuple:
+    """Bytes per parameter of rank 0's state after the freeze under FSDP, and those of the
+    tensors the guard backs up at a compressed step (the residual and m; v and the denominator
+    do not change)."""
+    run_ranks(fsdp_scenarios.session, FSDP_WORLD, str(tmp_path),
+              [(fsdp_adam_scenarios.memory, (ROWS, COLS))])
+    kept = fsdp_scenarios.load(tmp_path, "memory", FSDP_WORLD)[0]
+    return sum(kept.values()) / (ROWS * COLS), (kept["residual"] + kept["m"]) / (ROWS * COLS)
+
+
+def test_the_fsdp_row_states_what_a_rank_keeps(tmp_path):
+    state_cell, guarded_cell = row_of("`gradzip.fsdp` with `FrozenVarianceAdamW`")
+    state, backup = measured_fsdp(tmp_path)
+    assert state == pytest.approx(expected(state_cell, 0.0, FSDP_WORLD))
+    assert state + backup == pytest.approx(expected(guarded_cell, 0.0, FSDP_WORLD))
+
+
+@pytest.mark.parametrize("config", [c for c, s in SETTINGS.items() if s != "fsdp"])
 def test_the_table_states_what_a_rank_keeps(config):
     state_cell, guarded_cell = row_of(config)
     runs = SETTINGS[config] if isinstance(SETTINGS[config], list) else [SETTINGS[config]]

@@ -8,8 +8,9 @@ One rank per worker (the suite's worker count becomes the world size); rank w tr
 of the step's global batch, exactly the shard simulated worker w gets, so the modes run the
 same experiment. Gloo on CPU, NCCL on GPU (one device per local rank). The uncompressed baseline
 goes through gradzip's own uncompressed path (PyTorch's allreduce_hook arithmetic; FSDP's own
-reduce-scatter) so that its traffic is counted the same way. Under FSDP the optimizer is always
-torch's AdamW (an optimizer direction compressed by gradzip.optim needs the DDP hook). Rank 0
+reduce-scatter) so that its traffic is counted the same way. Under FSDP the optimizer is the
+run's as under DDP (FrozenVarianceAdamW through gradzip.fsdp's optimizer=, its moments sharded),
+except CompressedSGD, which needs the DDP hook: torch's SGD trains those runs. Rank 0
 writes the files; each rank checkpoints what it holds alone (its error-feedback residuals; under
 FSDP also its parameter and optimizer shards) next to the shared checkpoint (a shared file system
 is assumed for multi-node resume). Codec time is not separable from the overlapped backward here
@@ -81,10 +82,14 @@ class _FSDP:
         for block in blocks:
             fully_shard(block)
         fully_shard(self.model)
-        self.opt, self.sched = make_optimizer(cfg, self.model, compress_direction=False)
+        self.opt, self.sched = make_optimizer(cfg, self.model, sharded=True)
+        if reduction_clip(cfg, self.opt) is not None:
+            raise ValueError(f"{cfg.name}: max_grad_norm with {type(self.opt).__name__} under "
+                             "--strategy fsdp: p.grad holds its update, and gradzip.fsdp clips no "
+                             "rank's gradient (the DDP hook's max_grad_norm)")
         self.state = gradzip.fsdp.compress(
             self.model, cfg.codec, **baseline_or_codec(cfg.codec, cfg.error_feedback),
-            warmup_steps=cfg.compress_warmup or 0,  # FSDP's optimizer is torch's AdamW
+            warmup_steps=compress_warmup_steps(cfg), optimizer=hook_optimizer(self.opt),
             param_codec=cfg.param_codec, uncompressed_numel=cfg.uncompressed_numel)
 
 

@@ -227,17 +227,18 @@ def clip_averaged(cfg: RunConfig, opt, params) -> None:
         torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
 
 
-def make_optimizer(cfg: RunConfig, model: torch.nn.Module, compress_direction: bool = True):
-    """The run's optimizer (optimizer_name) and its schedule; torch's optimizer of the family where
-    ``compress_direction`` is False (FSDP, whose reduce-scatter computes no direction)."""
+def make_optimizer(cfg: RunConfig, model: torch.nn.Module, sharded: bool = False):
+    """The run's optimizer (optimizer_name) and its schedule. ``sharded`` (FSDP): CompressedSGD,
+    whose velocity is each rank's of the whole gradient, has no FSDP form, and torch's SGD trains
+    those runs; FrozenVarianceAdamW has one (gradzip.fsdp's optimizer=)."""
     decay, no_decay = [], []
     for n, p in model.named_parameters():  # no decay on norms, biases, tokens and LayerScale
         (no_decay if p.ndim <= 1 or n.endswith(("cls_token", "pos_embed")) else decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     name = optimizer_name(cfg)
-    if not compress_direction:
-        name = FAMILIES[cfg.optimizer_family][0]
+    if sharded and name == "compressed-sgd":
+        name = "sgd"
     if cfg.refresh_until and name != "frozen-variance-adamw":
         raise ValueError(f"{cfg.name}: refresh_until is FrozenVarianceAdamW's option; this run's "
                          f"optimizer is {name}")

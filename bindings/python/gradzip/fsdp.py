@@ -29,6 +29,14 @@ the result is returned in it; FSDP's divide factors are kept (``AVG`` averages, 
 post-division FSDP applies around a ``SUM`` stay FSDP's, ``set_gradient_divide_factor`` scales by
 1/factor); the shards are FSDP's, padding included (padded elements are zero on the wire and in
 the residual). HSDP's replica all-reduce, where configured, stays uncompressed.
+
+``compress(..., optimizer=opt)`` with a ``gradzip.optim.FrozenVarianceAdamW`` over the model's
+sharded parameters: the reduce-scatter computes its direction as the DDP hook does (exact AdamW
+through ``warmup_steps``, then v frozen and the momentum compressed), with the Adam state sharded
+as FSDP shards the rest: each rank keeps m and v of its own shard, and from the freeze on the whole
+groups' frozen denominator (``denominator_dtype``, bf16 by default). The reduce-scatter's output,
+hence the sharded gradient, holds the update, which ``opt.step()`` applies with decoupled weight
+decay. See :mod:`gradzip.fsdp_adam`.
 """
 
 import logging
@@ -45,6 +53,9 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from . import _ops  # noqa: F401  (loads the extension that defines torch.classes.gradzip)
 from ._groups import reducing_group, require_same_config
 from .bucket_state import initial_qs, tuplify
+from .fsdp_adam import DENOMINATOR_DTYPES, ShardedAdam
+from .optim import FrozenVarianceAdam
+from .plan import CodecPlan
 from .reducer import ReducerConfig, ReducerState, reduce_bucket
 from .param_gather import CompressedAllGather, param_codec as _param_codec
 from .wire import MIN_COMPRESS_NUMEL, travels_uncompressed
@@ -141,11 +152,12 @@ class _GroupState:
     gradient out of the input, ``mine`` / ``into`` move this rank's rows of it into the output.
     No owner residual: each rank keeps its shard of the sum as it is."""
 
-    __slots__ = ("layout", "residual", "owner_residual", "padding", "q", "gather", "mine", "into")
+    __slots__ = ("layout", "residual", "owner_residual", "padding", "q", "gather", "mine", "into",
+                 "adam")
 
     def __init__(self, layout: _GroupLayout, residual: Optional[torch.Tensor],
-                 q: Optional[torch.Tensor], rank: int, device):
-        self.layout, self.residual, self.q = layout, residual, q
+                 q: Optional[torch.Tensor], rank: int, device, adam: Optional[ShardedAdam] = None):
+        self.layout, self.residual, self.q, self.adam = layout, residual, q, adam
         self.owner_residual = None
         self.padding = layout.padding().to(device)
         self.gather = self.mine = self.into = None
@@ -194,12 +206,16 @@ class FSDPCompressionState(ReducerState):
 
     def __init__(self, codec: str, error_feedback: bool = True, warmup_steps: int = 0,
                  min_compress_numel: int = MIN_COMPRESS_NUMEL, guard_nonfinite: bool = True,
-                 param_codec: Optional[str] = None, uncompressed_numel: int = 0):
+                 param_codec: Optional[str] = None, uncompressed_numel: int = 0,
+                 optimizer=None, denominator_dtype: str = "bf16"):
+        _check_optimizer(optimizer, codec, denominator_dtype)
         # the settings, their checks and the warm-up / small-group policy are the DDP hook's; the
         # reduce-scatter sums every codec in fp32
         super().__init__(ReducerConfig(codec, error_feedback, warmup_steps, min_compress_numel,
-                                 guard_nonfinite, cast_sum="fp32",
+                                 guard_nonfinite, optimizer=optimizer, cast_sum="fp32",
                                  uncompressed_numel=uncompressed_numel, reduce_scatter=True))
+        # the dtype of the frozen denominator each rank keeps of every whole parameter group
+        self.denominator_dtype = DENOMINATOR_DTYPES[denominator_dtype]
         self.param_codec = None if param_codec is None else _param_codec(param_codec)
         # the parameter all-gathers' bytes since construction (CompressedAllGather adds to it)
         self._gather_traffic = {"bytes_sent": 0, "raw_bytes": 0}
@@ -214,7 +230,7 @@ class FSDPCompressionState(ReducerState):
         groups = ",".join(f"{i}:{len(p)}:{sum(math.prod(q.size) for q in p)}"
                           for i, p in sorted(self._params.items()))
         return (f"{self.config.describe(world)} param_codec={self.param_codec or 'none'} "
-                f"groups={groups}")
+                f"denominator={self.denominator_dtype} groups={groups}")
 
     @property
     def all_gather_traffic(self) -> dict:
@@ -229,7 +245,8 @@ class FSDPCompressionState(ReducerState):
     def state_dict(self) -> dict:
         self._commit()
         clone = lambda t: None if t is None else t.detach().clone()  # noqa: E731
-        groups = {i: {"layout": g.layout.describe(), "residual": clone(g.residual), "q": clone(g.q)}
+        groups = {i: {"layout": g.layout.describe(), "residual": clone(g.residual), "q": clone(g.q),
+                      "adam": None if g.adam is None else g.adam.state_dict()}
                   for i, g in self._groups.items()}
         groups.update({i: d for i, d in self._loaded.items() if i not in groups})
         return {"version": _STATE_VERSION, "codec": self.config.codec, "step": self.step,
@@ -244,6 +261,12 @@ class FSDPCompressionState(ReducerState):
             raise ValueError(f"gradzip: checkpoint was saved with codec {state['codec']!r}, "
                              f"error_feedback={state['error_feedback']}; this state uses "
                              f"{cfg.codec!r}, error_feedback={cfg.error_feedback}")
+        with_adam = self.config.direction is not None
+        if any((d.get("adam") is not None) != with_adam for d in state["groups"].values()):
+            raise ValueError("gradzip.fsdp: the checkpoint was saved " +
+                             ("without an optimizer's Adam state; this state has one" if with_adam
+                              else "with an optimizer's Adam state; this state has none") +
+                             " (compress(..., optimizer=...) must be the same)")
         unknown = set(state["groups"]) - set(self._params)
         if unknown:
             raise ValueError(f"gradzip: checkpoint holds parameter groups {sorted(unknown)} that "
@@ -293,6 +316,12 @@ class FSDPCompressionState(ReducerState):
                 residual = torch.zeros(n, dtype=torch.float32, device=device)
             if q_rank:
                 q = initial_qs(layout.bucket, q_rank, device)
+            adam = None
+            if self.config.direction is not None:
+                padding = layout.padding()
+                mine = padding[(padding >= rank * layout.shard) &
+                               (padding < (rank + 1) * layout.shard)] - rank * layout.shard
+                adam = ShardedAdam(layout.shard, mine, device)
             saved = self._loaded.pop(index, None)
             if saved is not None:
                 if tuplify(saved["layout"]) != layout.describe():
@@ -303,7 +332,9 @@ class FSDPCompressionState(ReducerState):
                     residual.copy_(saved["residual"])
                 if q is not None and saved.get("q") is not None:
                     q.copy_(saved["q"])
-            st = self._groups[index] = _GroupState(layout, residual, q, rank, device)
+                if adam is not None:
+                    adam.load_state_dict(saved["adam"], self.denominator_dtype)
+            st = self._groups[index] = _GroupState(layout, residual, q, rank, device, adam)
         return st
 
     def _prescale(self, op, world: int, divide_factor: Optional[float]) -> float:
@@ -330,13 +361,24 @@ class FSDPCompressionState(ReducerState):
                              f"{world} x {st.layout.shard} (parameters changed after compress()?)")
         compressed = self.config.compresses(self.step, input.numel(), world)
         raw = (world - 1) * st.layout.shard * input.element_size()
+        if st.adam is not None:
+            self._check_adam_op(op)
+            if self._guard is not None:  # before the update: an overflow step undoes it
+                self._guard.save([st.adam.m] if compressed else [st.adam.m, st.adam.v])
         if compressed:
             scale = self._prescale(op, world, divide_factor)
             if st.q is not None:
                 fut = self._reduce_lowrank(index, st, output, input, scale * world)
             else:
-                fut = self._reduce_codec(index, st, output, input, scale,
+                x = input.reshape(-1)
+                x = x if x.dtype == torch.float32 else x.float()
+                if st.adam is not None:
+                    st.adam.freeze_(self.config.direction, group, self.denominator_dtype)
+                    st.adam.send_(self.config.direction, x)
+                fut = self._reduce_codec(index, st, output, x, scale,
                                          st.layout.exact(self.config.uncompressed_numel))
+                if st.adam is not None:
+                    fut = fut.then(self._finishing_adam(st, output, rank))
             sent, received = self._runtime.traffic(index)
         else:
             sent = received = raw
@@ -345,15 +387,50 @@ class FSDPCompressionState(ReducerState):
         if len(self._reduced) == len(self._params):
             self._end_step()
         if not compressed:
-            return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+            if st.adam is None:
+                return dist.reduce_scatter_tensor(output, input, op=op, group=group,
+                                                  async_op=async_op)
+            dist.reduce_scatter_tensor(output, input, op=op, group=group)
+            if self._guard is not None:
+                self._guard.flag(output)
+            fut = torch.futures.Future()
+            fut.set_result(self._finish_adam(st, output, rank, compressed=False))
         if async_op:
             return torch._C._distributed_c10d._create_work_from_future(fut)
         fut.wait()
         return None
 
-    def _reduce_codec(self, index, st, output, input, prescale, exact):
-        x = input.reshape(-1)
-        x = x if x.dtype == torch.float32 else x.float()
+    def _check_adam_op(self, op) -> None:
+        """The optimizer's update is written into FSDP's reduce-scatter output: FSDP must not
+        scale it afterwards, as it does after a SUM (an fp16 reduce dtype, or
+        set_force_sum_reduction_for_comms)."""
+        if getattr(op, "op", op) == dist.ReduceOp.SUM:
+            raise ValueError("gradzip.fsdp: with optimizer=..., the reduce-scatter writes the "
+                             "optimizer's update, which FSDP would divide after a SUM reduce-"
+                             "scatter (an fp16 reduce_dtype, or set_force_sum_reduction_for_comms):"
+                             " use an fp32 or bf16 reduce_dtype")
+
+    def _finishing_adam(self, st, output, rank):
+        """The callback that finishes a compressed reduce-scatter's Future for the optimizer."""
+        def finish(f):
+            f.value()  # raises the reduction's error, if any
+            return self._finish_adam(st, output, rank, compressed=True)
+        return finish
+
+    def _finish_adam(self, st, output, rank, compressed) -> list:
+        """The shard's average in ``output`` becomes the optimizer's update, in place."""
+        out = output.view(-1)
+        avg = out if out.dtype == torch.float32 else out.float()
+        if compressed:
+            st.adam.receive_(self.config.direction, avg, rank)
+        else:
+            st.adam.exact_(self.config.direction, avg)
+        if avg is not out:
+            out.copy_(avg)
+        self.config.direction.wrote_(out)
+        return [output]
+
+    def _reduce_codec(self, index, st, output, x, prescale, exact):
         if st.residual is not None:
             if self._guard is not None:
                 self._guard.save([st.residual])  # before the update: an overflow step undoes it
@@ -379,10 +456,50 @@ class FSDPCompressionState(ReducerState):
         return fut.then(keep_mine)
 
 
+def _check_optimizer(optimizer, codec: str, denominator_dtype: str) -> None:
+    """What FSDP's reduce-scatter can carry of a gradzip.optim optimizer: FrozenVarianceAdamW's
+    direction, with its variance frozen once, through a codec that encodes each shard."""
+    if denominator_dtype not in DENOMINATOR_DTYPES:
+        raise ValueError(f"gradzip.fsdp: denominator_dtype must be one of "
+                         f"{sorted(DENOMINATOR_DTYPES)}, got {denominator_dtype!r}")
+    if optimizer is None:
+        return
+    direction = getattr(optimizer, "direction", None)
+    if not isinstance(direction, FrozenVarianceAdam):
+        raise TypeError("gradzip.fsdp: optimizer must be a gradzip.optim.FrozenVarianceAdamW over "
+                        f"the FSDP model's parameters, got {type(optimizer).__name__} (torch's "
+                        "optimizers take compressed gradients without optimizer=...; "
+                        "CompressedSGD keeps each rank's velocity of the whole gradient, which "
+                        "FSDP does not hold)")
+    if direction.refresh_until:
+        raise ValueError("gradzip.fsdp: FrozenVarianceAdamW's refresh_until (0/1 Adam's variance "
+                         "refreshes) is not supported under FSDP: the variance freezes once, "
+                         "after warmup_steps; use refresh_until=0")
+    if CodecPlan.parse(codec).lowrank_rank:
+        raise ValueError(f"gradzip.fsdp: optimizer=... needs a codec that encodes each shard "
+                         f"(fp32, bf16, fp16, int8, sign, topk), not {codec}")
+
+
+def _check_optimizer_params(optimizer, groups) -> None:
+    """The optimizer steps exactly the parameters whose gradients the reduce-scatter turns into
+    its update: another parameter would take a plain gradient as an update, and one left out
+    would keep an update as its gradient."""
+    sharded = {id(p.sharded_param): p for g in groups for p in g.fsdp_params}
+    mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    if mine != set(sharded):
+        raise ValueError(f"gradzip.fsdp: the optimizer must hold exactly the FSDP model's "
+                         f"parameters ({len(sharded)} under root); it holds {len(mine)}, of which "
+                         f"{len(mine - set(sharded))} are not the model's")
+    if any(g._is_hsdp for g in groups):
+        raise ValueError("gradzip.fsdp: optimizer=... under HSDP: the replicas' all-reduce would "
+                         "average updates computed from moments it never sees")
+
+
 def compress(root: torch.nn.Module, codec: str, error_feedback: bool = True,
              warmup_steps: int = 0, min_compress_numel: int = MIN_COMPRESS_NUMEL,
              guard_nonfinite: bool = True, param_codec: Optional[str] = None,
-             uncompressed_numel: int = 0) -> FSDPCompressionState:
+             uncompressed_numel: int = 0, optimizer=None,
+             denominator_dtype: str = "bf16") -> FSDPCompressionState:
     """Installs a compressed reduce-scatter on every FSDP module under ``root`` (already wrapped
     with ``fully_shard``, ``root`` included) and returns their shared state.
 
@@ -401,15 +518,27 @@ def compress(root: torch.nn.Module, codec: str, error_feedback: bool = True,
             gathers in 16 bits already are sent as they are). None: FSDP's own all-gather.
         uncompressed_numel: with int8/sign, the gradients of 1-D parameters and of those with
             fewer elements travel in fp32 (exact sum, no residual), as the DDP hook's option.
+        optimizer: a ``gradzip.optim.FrozenVarianceAdamW`` over ``root``'s (sharded) parameters,
+            made after ``fully_shard``: the reduce-scatter computes its direction and leaves its
+            update in the sharded gradients, which ``opt.step()`` applies (see
+            gradzip.fsdp_adam). ``warmup_steps`` (>= 1) are its exact AdamW steps, after which the
+            variance freezes and each rank's share of the momentum is compressed. Its m and v are
+            sharded, in ``state_dict()``.
+        denominator_dtype: ``"bf16"`` or ``"fp32"``: the frozen denominator of every whole
+            parameter group, which each rank keeps from the freeze on (2 or 4 bytes per parameter).
 
     ``"lowrank:R"`` (the DDP hook's PowerSGD class) needs every parameter sharded on dim 0.
     """
     state = FSDPCompressionState(codec, error_feedback, warmup_steps, min_compress_numel,
-                                 guard_nonfinite, param_codec, uncompressed_numel)
+                                 guard_nonfinite, param_codec, uncompressed_numel, optimizer,
+                                 denominator_dtype)
     names = {id(p): n for n, p in root.named_parameters(remove_duplicate=False)}
     modules = [m for m in root.modules() if isinstance(m, FSDPModule)]
     if not modules:
         raise TypeError("gradzip.fsdp.compress: no module under root is wrapped with fully_shard")
+    if optimizer is not None:
+        _check_optimizer_params(optimizer, [g for m in modules
+                                            if (g := m._get_fsdp_state()._fsdp_param_group)])
     for module in modules:
         group = module._get_fsdp_state()._fsdp_param_group
         if group is None:

@@ -44,6 +44,9 @@ bounded).
 
 The hook (or ``SimulatedWorkers(..., optimizer=opt)``) computes what the optimizer sends around
 the collective, and keeps the moments with the residuals, in ``CompressionState.state_dict()``.
+Under FSDP2, ``gradzip.fsdp.compress(model, codec, warmup_steps=N, optimizer=opt)`` does it for
+FrozenVarianceAdamW with the moments sharded (:mod:`gradzip.fsdp_adam`): each rank sends
+``(1 - b1) * g`` over the frozen denominator and the shard's owner adds ``b1 * m``.
 ``opt.step()`` then applies the averaged update with decoupled weight decay; ``opt.state_dict()``
 holds only the hyper-parameters (schedulers work as usual). :func:`compresses_direction` says
 which codec wants which optimizer; docs/guide.md has the table.
@@ -60,6 +63,7 @@ from __future__ import annotations
 from typing import Iterable, Optional
 
 import torch
+from torch.distributed.tensor import DTensor
 
 __all__ = ["MomentumDirection", "FrozenVarianceAdam", "CompressedSGD", "FrozenVarianceAdamW",
            "compresses_direction"]
@@ -220,7 +224,7 @@ class FrozenVarianceAdam(_Direction):
             self._refreshes = (warmup_steps, frozenset(steps))
         return self._refreshes[1]
 
-    def _denominator(self, v: torch.Tensor, variance_updates: int) -> torch.Tensor:
+    def denominator(self, v: torch.Tensor, variance_updates: int) -> torch.Tensor:
         # A variance no exact step has updated (a bucket first seen after the warm-up) counts as
         # one update: v = 0, the denominator is eps and the step bound caps what is sent.
         bias = 1.0 - self.betas[1] ** max(variance_updates, 1)
@@ -242,16 +246,37 @@ class FrozenVarianceAdam(_Direction):
             m, v = moments
             b1 = self.betas[0]
             g.mul_(1.0 - b1).add_(m, alpha=b1)
-            g.div_(self._denominator(v, exact_updates))
+            g.div_(self.denominator(v, exact_updates))
             g.clamp_(-self.step_bound, self.step_bound)
         return g
+
+    def increment_(self, g: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
+        """Under FSDP's reduce-scatter (gradzip.fsdp): what a rank sends of its gradient ``g`` of
+        a whole parameter group, in place: the new part of the candidate momentum, ``(1 - b1) *
+        g``, over the frozen ``denominator`` of the group. The rest, ``b1 * m``, needs the
+        momentum, which only the shard's owner holds: it adds it (:meth:`sharded_finish_`).
+        Clipped to step_bound as the DDP candidate is: one coordinate whose variance is ~0 would
+        otherwise set its codec block's scale."""
+        g.mul_(1.0 - self.betas[0]).div_(denominator)
+        return g.clamp_(-self.step_bound, self.step_bound)
+
+    def sharded_finish_(self, avg: torch.Tensor, m: torch.Tensor, denominator: torch.Tensor,
+                        t: int) -> torch.Tensor:
+        """The shard owner's :meth:`finish_` of a compressed step under FSDP: ``avg``, the
+        averaged increments of its shard, plus ``b1 * m`` over the shard's ``denominator`` is the
+        momentum over the denominator, clipped to step_bound as the DDP candidate is; m keeps it
+        in gradient units. Returns the update in ``avg``."""
+        avg.addcdiv_(m, denominator, value=self.betas[0])
+        avg.clamp_(-self.step_bound, self.step_bound)
+        m.copy_(avg).mul_(denominator)
+        return avg.div_(1.0 - self.betas[0] ** t)
 
     def finish_(self, avg: torch.Tensor, moments: list, t: int, exact_updates: int,
                 compressed: bool, sent=None) -> torch.Tensor:
         m, v = moments
         b1, b2 = self.betas
         if compressed:  # avg: the averaged momentum over the frozen denominator
-            m.copy_(avg).mul_(self._denominator(v, exact_updates))
+            m.copy_(avg).mul_(self.denominator(v, exact_updates))
             return avg.div_(1.0 - b1 ** t)
         m.mul_(b1).add_(avg, alpha=1.0 - b1)  # AdamW on the exact average
         v.mul_(b2).addcmul_(avg, avg, value=1.0 - b2)  # (its bias: the exact updates it has seen)
@@ -262,6 +287,12 @@ class FrozenVarianceAdam(_Direction):
         return (f"frozen_variance_adam(betas={self.betas[0]!r},{self.betas[1]!r} eps={self.eps!r} "
                 f"refresh_until={self.refresh_until} "
                 f"refreshes_per_doubling={self.refreshes_per_doubling})")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: FSDP2's sharded parameters and gradients are DTensors, and the
+    update written for them (gradzip.fsdp) is this rank's shard's, as the check compares it."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class _AppliesDirection(torch.optim.Optimizer):
@@ -315,30 +346,33 @@ class _AppliesDirection(torch.optim.Optimizer):
             "accelerator.clip_grad_norm_), GradScaler.unscale_ / scaler.step, or anything else "
             "that edits gradients between backward() and step() would change the update. Clip "
             "with CompressionState(..., max_grad_norm=C) instead (each rank's gradient, before "
-            "it is compressed; state.grad_norm is its norm for logging) and remove the clip from "
-            "the loop; for mixed precision use bf16 autocast without a GradScaler")
+            "it is compressed; state.grad_norm is its norm for logging; gradzip.fsdp has no "
+            "such clip yet) and remove the clip from the loop; for mixed precision use bf16 "
+            "autocast without a GradScaler")
 
     @torch.no_grad()
     def step(self, closure=None):
         if not self.attached:
             raise RuntimeError(
                 f"gradzip.optim.{type(self).__name__}: no compression state computes its "
-                "direction; pass it as CompressionState(..., optimizer=opt) (DDP) or "
+                "direction; pass it as CompressionState(..., optimizer=opt) (DDP), "
+                "gradzip.fsdp.compress(..., optimizer=opt) (FSDP2) or "
                 "SimulatedWorkers(..., optimizer=opt) before stepping")
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._check_gradients([p.grad for group in self.param_groups for p in group["params"]
-                               if p.grad is not None])
+        self._check_gradients([_local(p.grad) for group in self.param_groups
+                               for p in group["params"] if p.grad is not None])
         for group in self.param_groups:
             lr, wd = group["lr"], group["weight_decay"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
+                p, grad = _local(p), _local(p.grad)
                 if wd:
                     p.mul_(1.0 - lr * wd)
-                p.add_(p.grad.to(p.dtype), alpha=-lr)
+                p.add_(grad.to(p.dtype), alpha=-lr)
         return loss
 
 

@@ -371,6 +371,7 @@ class ReducerState(Reporting):
         self._runtime = None  # torch.classes.gradzip.CompressedAllreduce, built at the first call
         self._guard = config.new_guard()
         self._guard_step = 0  # the step whose residual updates the guard holds
+        self._begun_step = -1  # the step whose reductions have begun
         self._clip = config.new_clip()
 
     def _begin_step(self) -> None:
@@ -378,6 +379,10 @@ class ReducerState(Reporting):
         it is complete) and begins the optimizer direction's step."""
         if self._guard_step != self.step:
             self._commit()
+        # apart from the commit, which state_dict() also makes between steps: the update of a step
+        # that was skipped (a non-finite one) must not count in the next one's
+        if self._begun_step != self.step:
+            self._begun_step = self.step
             if self.config.direction is not None:
                 self.config.direction.begin_step_()
 
@@ -409,5 +414,6 @@ class ReducerState(Reporting):
 
     def __setstate__(self, d):
         self.__dict__.update(d)
+        self.__dict__.setdefault("_begun_step", -1)  # pickled before it was kept
         self._guard = self.config.new_guard()
         self._guard_step = self.step

@@ -367,3 +367,21 @@ def test_optimizer_and_warmup_options_reach_the_runs_that_do_not_set_them():
     assert compress_warmup_steps(runs[0]) == 7 and optimizer_name(runs[0]) == "frozen-variance-adamw"
     with pytest.raises(SystemExit):
         parse_args(["--out", "x", "--optimizer", "lamb"])
+
+
+def test_the_fsdp_recipe_is_torchs_adamw_unless_the_run_names_the_frozen_variance_adam():
+    """Under FSDP (sharded) the recipe of sign stays torch's AdamW (it trained sign better there);
+    a run that names FrozenVarianceAdamW gets it; CompressedSGD, which has no FSDP form, becomes
+    torch's SGD."""
+    from gradzip.optim import FrozenVarianceAdamW
+    from gradzip_converge.training import make_optimizer
+
+    model = torch.nn.Linear(3, 2)
+    sign = replace(RunConfig(), codec="sign", error_feedback=True)
+    assert optimizer_name(sign) == "frozen-variance-adamw"
+    assert type(make_optimizer(sign, model, sharded=True)[0]) is torch.optim.AdamW
+    assert type(make_optimizer(sign, model)[0]) is FrozenVarianceAdamW
+    named = replace(sign, optimizer="frozen-variance-adamw")
+    assert type(make_optimizer(named, model, sharded=True)[0]) is FrozenVarianceAdamW
+    sgd = replace(sign, codec="topk:0.01", optimizer="compressed-sgd")
+    assert type(make_optimizer(sgd, model, sharded=True)[0]) is torch.optim.SGD

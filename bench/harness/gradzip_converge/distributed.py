@@ -8,9 +8,10 @@ One rank per worker (the suite's worker count becomes the world size); rank w tr
 of the step's global batch, exactly the shard simulated worker w gets, so the modes run the
 same experiment. Gloo on CPU, NCCL on GPU (one device per local rank). The uncompressed baseline
 goes through gradzip's own uncompressed path (PyTorch's allreduce_hook arithmetic; FSDP's own
-reduce-scatter) so that its traffic is counted the same way. Under FSDP the optimizer is the
-run's as under DDP (FrozenVarianceAdamW through gradzip.fsdp's optimizer=, its moments sharded),
-except CompressedSGD, which needs the DDP hook: torch's SGD trains those runs. Rank 0
+reduce-scatter) so that its traffic is counted the same way. Under FSDP the recipe's optimizer
+is torch's (AdamW on the compressed gradients trained sign better there than FrozenVarianceAdamW);
+``--optimizer frozen-variance-adamw`` trains with gradzip.fsdp's optimizer= (its moments
+sharded), and CompressedSGD, which needs the DDP hook, becomes torch's SGD. Rank 0
 writes the files; each rank checkpoints what it holds alone (its error-feedback residuals; under
 FSDP also its parameter and optimizer shards) next to the shared checkpoint (a shared file system
 is assumed for multi-node resume). Codec time is not separable from the overlapped backward here
@@ -57,7 +58,8 @@ class _DDP:
         self.opt, self.sched = make_optimizer(cfg, self.model)
         self.state = CompressionState(
             cfg.codec, **baseline_or_codec(cfg.codec, cfg.error_feedback),
-            warmup_steps=compress_warmup_steps(cfg), optimizer=hook_optimizer(self.opt),
+            warmup_steps=compress_warmup_steps(cfg) if hook_optimizer(self.opt) else
+            cfg.compress_warmup or 0, optimizer=hook_optimizer(self.opt),
             warmup_codec=cfg.warmup_codec, uncompressed_numel=cfg.uncompressed_numel,
             max_grad_norm=reduction_clip(cfg, self.opt), cast_sum=cfg.cast_sum)
         self.forward.register_comm_hook(self.state, compress_hook)
@@ -89,7 +91,8 @@ class _FSDP:
                              "rank's gradient (the DDP hook's max_grad_norm)")
         self.state = gradzip.fsdp.compress(
             self.model, cfg.codec, **baseline_or_codec(cfg.codec, cfg.error_feedback),
-            warmup_steps=compress_warmup_steps(cfg), optimizer=hook_optimizer(self.opt),
+            warmup_steps=compress_warmup_steps(cfg) if hook_optimizer(self.opt) else
+            cfg.compress_warmup or 0, optimizer=hook_optimizer(self.opt),
             param_codec=cfg.param_codec, uncompressed_numel=cfg.uncompressed_numel)
 
 

@@ -230,7 +230,8 @@ def clip_averaged(cfg: RunConfig, opt, params) -> None:
 def make_optimizer(cfg: RunConfig, model: torch.nn.Module, sharded: bool = False):
     """The run's optimizer (optimizer_name) and its schedule. ``sharded`` (FSDP): CompressedSGD,
     whose velocity is each rank's of the whole gradient, has no FSDP form, and torch's SGD trains
-    those runs; FrozenVarianceAdamW has one (gradzip.fsdp's optimizer=)."""
+    those runs; FrozenVarianceAdamW has one (gradzip.fsdp's optimizer=), taken where the run names
+    it: the recipe stays torch's AdamW there, which trained sign better under FSDP (RESULTS §3)."""
     decay, no_decay = [], []
     for n, p in model.named_parameters():  # no decay on norms, biases, tokens and LayerScale
         (no_decay if p.ndim <= 1 or n.endswith(("cls_token", "pos_embed")) else decay).append(p)
@@ -239,6 +240,8 @@ def make_optimizer(cfg: RunConfig, model: torch.nn.Module, sharded: bool = False
     name = optimizer_name(cfg)
     if sharded and name == "compressed-sgd":
         name = "sgd"
+    if sharded and name == "frozen-variance-adamw" and cfg.optimizer == "recipe":
+        name = "adamw"
     if cfg.refresh_until and name != "frozen-variance-adamw":
         raise ValueError(f"{cfg.name}: refresh_until is FrozenVarianceAdamW's option; this run's "
                          f"optimizer is {name}")

@@ -44,9 +44,11 @@ RECIPES = (("fp32", False), ("sign", True, FROZEN), ("sign", False, FROZEN),
            ("topk:0.01:values=fp16", True, FROZEN), ("topk:0.01:values=fp16", False, FROZEN),
            ("sign", True, FROZEN_BF16), ("topk:0.01:values=fp16", True, FROZEN_BF16))
 # Top-k's denser forms at the bytes 1 % all-gathered sends with 6 bytes a kept element, on the
-# recipes' task: 1.5 % all-gathered and 3 % two-phase (4 bytes a kept element).
+# recipes' task: 1.5 % all-gathered and 3 % two-phase (4 bytes a kept element), and 4 % two-phase
+# with int8 values (3 bytes).
 RECIPES_TOPK = (("fp32", False), ("topk:0.015:values=fp16", True, FROZEN),
-                ("topk:0.03:values=fp16", True, dict(FROZEN, cast_sum="fp32")))
+                ("topk:0.03:values=fp16", True, dict(FROZEN, cast_sum="fp32")),
+                ("topk:0.04:values=int8", True, dict(FROZEN, cast_sum="fp32")))
 
 
 # Under SGD with momentum (a small U-Net, cpu-sgd): the recipe (top-k: CompressedSGD with momentum
@@ -161,7 +163,7 @@ SUITES = {
         CPU_DEFAULT, RECIPES_TOPK, "cpu",
         "cpu-recipes' top-k under the frozen-variance Adam at the densities that send what 1 % "
         "all-gathered sent before its indices were compacted: 1.5 % all-gathered and 3 % "
-        "two-phase (4 bytes a kept element)"),
+        "two-phase (4 bytes a kept element), 4 % two-phase with int8 values (3 bytes)"),
     "cpu-whole-run": Suite(
         "cpu-whole-run",
         CPU_DEFAULT, WHOLE_RUN, "cpu",

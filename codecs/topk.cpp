@@ -64,6 +64,7 @@ struct Plan {
   uint32_t* idx;
   void* values;
   TopkValues value_type;
+  uint32_t* int8_amax;  // int8 values, sampled path: per index chunk, the max kept key
   uint32_t* cand;
   std::array<Chunk, kTopkMaxChunks> chunks{};
   size_t nch = 0;
@@ -130,6 +131,32 @@ size_t pair_cap(const Chunk& ch) { return ch.len / 2; }
 uint32_t* pair_idx(const Plan& p, const Chunk& ch) { return p.cand + ch.begin; }
 uint32_t* pair_bits(const Plan& p, const Chunk& ch) { return p.cand + ch.begin + pair_cap(ch); }
 
+// Calls f(output slot, index, bits of c) for each pair of chunk ch that the selection keeps (keys
+// above the threshold, and the chunk's quota of keys equal to it), in index order.
+template <class F>
+void each_kept(const Plan& p, const Chunk& ch, uint32_t threshold, F&& f) {
+  const uint32_t* pidx = pair_idx(p, ch);
+  const uint32_t* bits = pair_bits(p, ch);
+  uint64_t ties = ch.quota, o = ch.offset;
+  for (size_t j = 0; j < ch.pairs; ++j) {
+    const uint32_t key = bits[j] & el::kAbsMask;
+    if (key < threshold) continue;
+    if (key == threshold) {
+      if (ties == 0) continue;
+      --ties;
+    }
+    f(o++, pidx[j], bits[j]);
+  }
+}
+
+// *at = max(*at, v) among threads (an index chunk can span two of the selection's chunks).
+void atomic_max(uint32_t* at, uint32_t v) {
+  uint32_t seen = __atomic_load_n(at, __ATOMIC_RELAXED);
+  while (seen < v &&
+         !__atomic_compare_exchange_n(at, &seen, v, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+  }
+}
+
 bool sampled_topk(Plan& p) {
   uint32_t lo = 0;
   if (!sample_bound(p, lo)) return false;
@@ -178,29 +205,41 @@ bool sampled_topk(Plan& p) {
   });
   p.assign_offsets(rank);
 
-  // Output from the pairs (in index order), then (error feedback) the residual pass.
+  // Output from the pairs (in index order), then (error feedback) the residual pass. int8
+  // values: the first pass takes each index chunk's max kept key, a second one the levels.
+  const bool int8 = p.value_type == TopkValues::int8;
+  if (int8) std::memset(p.int8_amax, 0, 4 * topk_index_chunks(p.n));
   parallel_items(p.nch, threads, [&](size_t c) {
-    const Chunk& ch = p.chunks[c];
-    const uint32_t* pidx = pair_idx(p, ch);
-    const uint32_t* bits = pair_bits(p, ch);
-    uint64_t ties = ch.quota, o = ch.offset;
-    for (size_t j = 0; j < ch.pairs; ++j) {
-      const uint32_t key = bits[j] & el::kAbsMask;
-      if (key < threshold) continue;
-      if (key == threshold) {
-        if (ties == 0) continue;
-        --ties;
+    uint64_t chunk = 0;
+    uint32_t amax = 0;
+    each_kept(p, p.chunks[c], threshold, [&](uint64_t o, uint32_t index, uint32_t bits) {
+      p.idx[o] = index;
+      if (!int8) {
+        el::topk_put_value(p.values, o, el::bits_float(bits), p.value_type);
+      } else {
+        if (index / kTopkIndexChunk != chunk) {
+          atomic_max(p.int8_amax + chunk, amax);
+          chunk = index / kTopkIndexChunk;
+          amax = 0;
+        }
+        const uint32_t key = bits & el::kAbsMask;
+        amax = key > amax ? key : amax;
       }
-      p.idx[o] = pidx[j];
-      el::topk_put_value(p.values, o, el::bits_float(bits[j]), p.value_type);
-      ++o;
-    }
+    });
+    if (int8) atomic_max(p.int8_amax + chunk, amax);
   });
+  if (int8)
+    parallel_items(p.nch, threads, [&](size_t c) {
+      each_kept(p, p.chunks[c], threshold, [&](uint64_t o, uint32_t index, uint32_t bits) {
+        static_cast<int8_t*>(p.values)[o] = static_cast<int8_t>(
+            el::topk_int8_level(el::bits_float(bits), p.int8_amax[index / kTopkIndexChunk]));
+      });
+    });
   if (p.a.residual)
     parallel_items(p.nch, p.threads, [&](size_t c) {
       const Chunk& ch = p.chunks[c];
       p.loops.topk.residual(p.a.at(ch.begin), ch.len, static_cast<uint32_t>(ch.begin),
-                            p.idx + ch.offset, ch.above + ch.quota, p.value_type);
+                            p.idx + ch.offset, ch.above + ch.quota, p.value_type, p.int8_amax);
     });
   return true;
 }
@@ -292,15 +331,15 @@ void write_indices(const uint32_t* idx, uint64_t k, size_t n, const PayloadLayou
   std::memset(payload + l.section1 + 2 * k, 0, l.section2 - l.section1 - 2 * k);
 }
 
-// int8 values, after the selection left their residuals untouched: per index chunk, its kept
-// values c (computed again, as the selection did, into `scratch`: the candidates' workspace, free
-// now) give the chunk's scale, then their int8s and residuals.
+// int8 values after the full radix select, which left the kept elements' residuals untouched:
+// per index chunk, its kept values c (computed again, as the selection did, into `scratch`: the
+// candidates' workspace, free now) give the chunk's scale, then their int8s and residuals. (The
+// sampled path quantizes from its pairs instead.)
 void quantize_int8_values(const EncodeArgs& a, const uint32_t* idx, uint64_t k, size_t n,
                           const PayloadLayout& l, char* payload, float* scratch) {
   const auto* ends = reinterpret_cast<const uint32_t*>(payload + l.section0);
   auto* q = reinterpret_cast<int8_t*>(payload + l.section2);
   auto* scales = reinterpret_cast<float*>(payload + l.section3);
-  std::memset(payload + l.section2 + k, 0, l.section3 - l.section2 - k);
   parallel_items(topk_index_chunks(n), threads_for(k), [&](size_t c) {
     const uint64_t begin = c == 0 ? 0 : ends[c - 1], count = ends[c] - begin;
     const uint32_t* at = idx + begin;
@@ -336,6 +375,7 @@ void encode_cpu(TopkCodec, const CpuEncode& job) {
          topk_kept_indices(job.workspace, n),
          job.payload + job.layout.section2,
          job.spec.values,
+         reinterpret_cast<uint32_t*>(job.payload + job.layout.section3),
          static_cast<uint32_t*>(job.workspace)};
   const size_t clen = topk_chunk_len(n);
   p.nch = topk_num_chunks(n);
@@ -344,14 +384,22 @@ void encode_cpu(TopkCodec, const CpuEncode& job) {
     p.chunks[c].len = (c + 1) * clen < n ? clen : n - c * clen;
   }
   p.threads = threads_for(n) < static_cast<int>(p.nch) ? threads_for(n) : static_cast<int>(p.nch);
-  if (!sampled_topk(p)) {
+  const bool sampled = sampled_topk(p);
+  if (!sampled) {
     for (size_t c = 0; c < p.nch; ++c) p.chunks[c] = Chunk{p.chunks[c].begin, p.chunks[c].len};
     radix_topk(p);
   }
   write_indices(p.idx, k, n, job.layout, job.payload);
-  if (p.value_type == TopkValues::int8)
+  if (p.value_type != TopkValues::int8) return;
+  std::memset(job.payload + job.layout.section2 + k, 0,
+              job.layout.section3 - job.layout.section2 - k);
+  if (sampled) {  // the levels are written: the scales from the chunks' max keys
+    auto* scales = reinterpret_cast<float*>(p.int8_amax);
+    for (uint64_t c = 0; c < topk_index_chunks(n); ++c) scales[c] = el::int8_scale(p.int8_amax[c]);
+  } else {
     quantize_int8_values(job.a, p.idx, k, n, job.layout, job.payload,
                          reinterpret_cast<float*>(p.cand));
+  }
 }
 
 void decode_cpu(TopkCodec, const CpuDecode& job) {

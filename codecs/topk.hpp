@@ -28,9 +28,10 @@ struct TopkLoops {
   size_t (*gather)(EncodeArgs a, size_t n, uint32_t base, uint32_t lo, size_t cap, uint32_t* idx,
                    uint32_t* bits);
   // Sampled top-k, error feedback: the residual of every element, given the sorted global
-  // indices of the kept ones (their residual as element::topk_value_decoded says).
+  // indices of the kept ones (c minus element::topk_value_decoded; int8 values: int8_amax holds
+  // each index chunk's max kept key).
   void (*residual)(EncodeArgs a, size_t n, uint32_t base, const uint32_t* kept, size_t kept_count,
-                   TopkValues v);
+                   TopkValues v, const uint32_t* int8_amax);
 };
 
 // Writes the k indices and values and updates the residual (when job.a.residual is set); the

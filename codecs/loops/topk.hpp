@@ -171,7 +171,7 @@ size_t topk_gather(EncodeArgs a, size_t n, uint32_t base, uint32_t lo, size_t ca
 // Sampled top-k, residual pass: every element as if not kept (one vectorised streaming pass),
 // then the kept ones (sorted global indices) patched while their sub-block is in L1.
 void topk_residual(EncodeArgs a, size_t n, uint32_t base, const uint32_t* __restrict kept,
-                   size_t kept_count, TopkValues v) {
+                   size_t kept_count, TopkValues v, const uint32_t* int8_amax) {
   const float* __restrict g = a.grad;
   float* __restrict r = a.residual;
   const float p = a.prescale;
@@ -187,7 +187,8 @@ void topk_residual(EncodeArgs a, size_t n, uint32_t base, const uint32_t* __rest
     for (; j < kept_count && kept[j] - base < s + m; ++j) {
       const size_t i = kept[j] - base - s;
       const float c = el::ef_input(g[s + i], p, old[i]);
-      const float decoded = el::topk_value_decoded(c, v);
+      const float decoded = el::topk_value_decoded(
+          c, v, v == TopkValues::int8 ? int8_amax[kept[j] / kTopkIndexChunk] : 0u);
       r[s + i] = el::ef_residual(c, decoded, old[i]);
     }
   }

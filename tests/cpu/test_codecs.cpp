@@ -201,6 +201,30 @@ TEST_P(TopkTies, ExactSetLowestIndexFirst) {
   }
 }
 
+// Top-k's int8 values bit for bit against their definition, spelled out here in float: per
+// 65536-element chunk, scale = absmax / 127 over the kept |c| (absmax 0: scale 0, levels 0) and
+// levels rint(c * (127 / absmax)). `kept`: the kept indices, increasing.
+void expect_int8_values_bits(const Bytes& wire, const std::vector<float>& c,
+                             const std::vector<uint32_t>& kept) {
+  const auto h = gradzip::read_header(wire.data(), wire.size());
+  const auto l = gradzip::payload_layout(h);
+  const std::byte* payload = wire.data() + gradzip::kHeaderBytes;
+  const size_t chunks = (c.size() + 65535) / 65536;
+  size_t j = 0;
+  for (size_t ch = 0; ch < chunks; ++ch) {
+    const size_t begin = j;
+    float absmax = 0.0f;
+    for (; j < kept.size() && kept[j] / 65536 == ch; ++j) absmax = std::max(absmax, std::fabs(c[kept[j]]));
+    float scale_on_wire;
+    std::memcpy(&scale_on_wire, payload + l.section3 + 4 * ch, 4);
+    ASSERT_TRUE(same_bits(scale_on_wire, absmax / 127.0f)) << "chunk " << ch;
+    for (size_t m = begin; m < j; ++m) {
+      const float level = absmax > 0.0f ? std::nearbyint(c[kept[m]] * (127.0f / absmax)) : 0.0f;
+      ASSERT_EQ(int(int8_t(payload[l.section2 + m])), int(level)) << "position " << m;
+    }
+  }
+}
+
 // Inputs shaped to defeat the sampled selection (too few candidates above its bound: sparse; a
 // chunk with more candidates than its workspace share: packed), next to ones it handles: every
 // result exact, and both paths taken.
@@ -233,6 +257,12 @@ TEST(TopkShapes, ExactOnBothPaths) {
     auto g = random_grad(n, 5);  // plain random: the sampled path
     for (size_t i = 0; i < n; i += 3) g[i] = 0.0f;
     shapes.push_back({"random", "topk:0.02", g, 0});
+    shapes.push_back({"random int8", "topk:0.02:values=int8", g, 0});
+  }
+  {
+    auto g = random_grad(n, 6, 1e-3f);  // packed, with int8 values: the radix path
+    for (size_t i = 0; i < 40000; ++i) g[i] = 1.0f + float(i % 389);
+    shapes.push_back({"packed int8", "topk:0.05:values=int8", g, 1});
   }
   for (const Shape& s : shapes) {
     SCOPED_TRACE(s.name);
@@ -255,6 +285,7 @@ TEST(TopkShapes, ExactOnBothPaths) {
     const auto dec = decode(e.wire, n);
     check_against_reference(codec, c, dec);
     for (size_t i = 0; i < n; ++i) ASSERT_TRUE(same_bits(e.residual[i], c[i] - dec[i])) << i;
+    if (codec.spec().values == gradzip::TopkValues::int8) expect_int8_values_bits(e.wire, c, order);
   }
 }
 

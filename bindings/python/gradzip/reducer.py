@@ -230,7 +230,9 @@ class ReducerConfig:
         if self.direction is None:
             return
         # A sent coordinate keeps at most the rounding of its value as residual (fp16 values:
-        # 2^-11 of it); one not sent keeps all of it (to within an FMA's rounding).
+        # 2^-11 of it; int8 values: half its chunk's step, under half the value from 2/3 of a step
+        # on: a kept value rounded to 0 counts as not sent, one just above half a step may too);
+        # one not sent keeps all of it (to within an FMA's rounding).
         sent = None if selected_from is None else st.residual.abs() < 0.5 * selected_from.abs()
         self.direction.finish_(avg, st.moments, st.updates, st.exact_updates, compressed, sent)
 

@@ -39,10 +39,17 @@ GZ_HD uint32_t topk_key(float x) { return abs_bits(x); }
 constexpr int kTopkDigitShift[3] = {21, 10, 0};
 constexpr uint32_t kTopkDigitMask[3] = {0x7FFu, 0x7FFu, 0x3FFu};
 constexpr int kTopkRadix = 2048;  // histogram size of the widest digit
+// int8 values given their chunk's absmax as bits (the integer max of its kept keys): the level of
+// c and what it decodes to, as Int8Codec's blocks.
+GZ_HD float topk_int8_level(float c, uint32_t amax) { return int8_level(c, int8_inv_scale(amax)); }
+GZ_HD float topk_int8_decoded(float level, uint32_t amax) {
+  return int8_level_value(level, int8_scale(amax));
+}
+
 // Values on the wire: the kept c as f32, or (fp16) as Fp16Codec rounds it. topk_put_value writes
 // slot j and returns what it decodes to; error feedback keeps c minus that. int8 values need their
-// chunk's scale, known only once every kept value of the chunk is: the selection writes nothing and
-// returns NaN, so that ef_residual leaves the residual as it was (c - NaN is not finite) and
+// chunk's scale, known only once every kept value of the chunk is: here nothing is written and
+// NaN returned, so that ef_residual leaves the residual as it was (c - NaN is not finite) and
 // topk_quantize_chunk can compute the same c again from it.
 GZ_HD float topk_put_value(void* values, uint64_t j, float c, TopkValues v) {
   if (v == TopkValues::fp16) {
@@ -54,8 +61,9 @@ GZ_HD float topk_put_value(void* values, uint64_t j, float c, TopkValues v) {
   static_cast<float*>(values)[j] = c;
   return c;
 }
-GZ_HD float topk_value_decoded(float c, TopkValues v) {
-  if (v == TopkValues::int8) return bits_float(kCanonicalNaN);
+// What a kept c decodes to; int8: `amax` is its chunk's (topk_int8_level).
+GZ_HD float topk_value_decoded(float c, TopkValues v, uint32_t amax) {
+  if (v == TopkValues::int8) return topk_int8_decoded(topk_int8_level(c, amax), amax);
   return v == TopkValues::fp16 ? Fp16Codec::decode(Fp16Codec::encode(c)) : c;
 }
 // Value j, in index chunk `chunk` (whose scale int8 values use).

@@ -17,6 +17,11 @@ Hooks named ``local:CODEC:H`` train without DDP: each rank its own replica, sync
 by gradzip.local_steps.LocalSteps with CODEC carrying the outer gradient; their step time is the
 mean over the timed steps (a sync every H of them), not the median.
 
+Hooks named ``two-level:CODEC`` register gradzip.two_level's TwoLevelState (exact inside a
+"node", CODEC between nodes); run.sh's ``--ranks-per-node R`` puts R ranks in each of its two
+network namespaces (the nodes: their ranks talk over the namespace's own loopback, unshaped, and
+to the other node over the shaped link), 2R ranks in all.
+
 Hooks named ``fsdp-*`` train the model under FSDP2 instead (``fully_shard`` on every encoder block
 and the root): ``fsdp-none`` is FSDP's own fp32 reduce-scatter, ``fsdp-torch-bf16`` FSDP with a
 bf16 reduce dtype (PyTorch's bar), ``fsdp-CODEC`` gradzip.fsdp's compressed reduce-scatter
@@ -121,7 +126,10 @@ def local_steps_of(hook: str) -> tuple[str, int] | None:
     return codec, int(h)
 
 
-def register_hook(ddp, hook: str, guard_nonfinite: bool = False):
+TWO_LEVEL_PREFIX = "two-level:"
+
+
+def register_hook(ddp, hook: str, guard_nonfinite: bool = False, ranks_per_node: int = 1):
     """Registers the named hook on a DDP model; returns its state (or None). gradzip's
     guard_nonfinite (residual copies that let AMP's GradScaler skip an overflow step) is off by
     default here: this benchmark trains in fp32 without a GradScaler, where it only costs time."""
@@ -148,6 +156,14 @@ def register_hook(ddp, hook: str, guard_nonfinite: bool = False):
     from gradzip import costmodel as cm
     from gradzip.ddp import CompressionState, compress_hook
 
+    if hook.startswith(TWO_LEVEL_PREFIX):
+        from gradzip.two_level import TwoLevelState
+
+        spec, cast_sum = cm.split_cast_sum(hook[len(TWO_LEVEL_PREFIX):])
+        state = TwoLevelState(spec, ranks_per_node=ranks_per_node, guard_nonfinite=guard_nonfinite,
+                              cast_sum=cast_sum)
+        ddp.register_comm_hook(state, compress_hook)
+        return state
     spec, cast_sum = cm.split_cast_sum(hook)  # SPEC@fp32: cast_sum="fp32"
     state = CompressionState(spec, guard_nonfinite=guard_nonfinite, cast_sum=cast_sum)
     ddp.register_comm_hook(state, compress_hook)
@@ -244,9 +260,12 @@ def cmd_rank(args) -> int:
 
         gradzip.set_num_threads(args.threads)  # the codecs get the rank's share of the cores too
     os.environ["GLOO_SOCKET_IFNAME"] = args.ifname
+    # torchrun's node layout variables (gradzip.two_level reads them)
+    os.environ["LOCAL_RANK"] = str(args.rank % args.ranks_per_node)
+    os.environ["LOCAL_WORLD_SIZE"] = str(args.ranks_per_node)
     dist.init_process_group("gloo", init_method=f"tcp://{args.addr}:{args.port}", rank=args.rank,
-                            world_size=2, timeout=timedelta(seconds=args.timeout))
-    batches = make_batches(args, args.rank, 2, args.warmup + args.steps)
+                            world_size=args.world, timeout=timedelta(seconds=args.timeout))
+    batches = make_batches(args, args.rank, args.world, args.warmup + args.steps)
     outer = None
     if args.hook.startswith(FSDP_PREFIX):
         ddp = build_fsdp(args, args.hook, args.guard_nonfinite)
@@ -258,7 +277,7 @@ def cmd_rank(args) -> int:
                            guard_nonfinite=args.guard_nonfinite)
     else:
         ddp = DDP(build(args))  # DDP's defaults: 25 MB buckets, every parameter used
-        register_hook(ddp, args.hook, args.guard_nonfinite)
+        register_hook(ddp, args.hook, args.guard_nonfinite, args.ranks_per_node)
     opt = optimizer(ddp)
     _, warm_losses = train(ddp, opt, batches[: args.warmup], outer)
     # The timed window: the bytes sent from the end of the warm-up to the end of the last step.
@@ -274,7 +293,8 @@ def cmd_rank(args) -> int:
                                tx_bytes_per_step=(tx1 - tx0) / max(1, len(times)),
                                loss_first=warm_losses[0], loss_last=losses[-1], shapes=shapes,
                                model=args.model, size=args.size, batch=args.batch,
-                               threads=args.threads, guard_nonfinite=args.guard_nonfinite))
+                               threads=args.threads, guard_nonfinite=args.guard_nonfinite,
+                               world=args.world, ranks_per_node=args.ranks_per_node))
     return 0
 
 
@@ -326,7 +346,7 @@ def cmd_report(args) -> int:
     nocomm = statistics.median(single["step_times"]) if single else math.nan
     rows = []
     for h in hooks:
-        ranks = [_load(raw / f"{_safe(h)}.rank{r}.json") for r in (0, 1)]
+        ranks = [_load(raw / f"{_safe(h)}.rank{r}.json") for r in range(args.world)]
         if not all(ranks):
             rows.append(dict(hook=h, ok=False))
             continue
@@ -346,7 +366,9 @@ def cmd_report(args) -> int:
     link = cm.Link(rate, latency_s=args.alpha_us * 1e-6 + parse_delay_s(args.delay),
                    efficiency=args.efficiency)
     okrows = [r for r in rows if r["ok"]]
-    modelled = [h for h in hooks if h != "nocomm" and not h.startswith(FSDP_PREFIX)]
+    # the cost model has no node layout: with several ranks per node it predicts nothing
+    modelled = [h for h in hooks if h != "nocomm" and not h.startswith(FSDP_PREFIX)] \
+        if args.world == 2 else []
     # a local:CODEC:H hook runs its codec's reduction: each codec measured once
     codec_of = {h: (local_steps_of(h) or (h,))[0] for h in modelled}
     by_codec, speed_note = measured_speeds(sorted(set(codec_of.values())),
@@ -354,7 +376,7 @@ def cmd_report(args) -> int:
     speeds = {h: by_codec.get(codec) for h, codec in codec_of.items()}
     for r in okrows:
         fsdp = r["hook"].startswith(FSDP_PREFIX)
-        if fsdp:
+        if fsdp or r["hook"] not in modelled + ["nocomm"]:
             pred = cm.Cost(seconds=math.nan, sent_bytes=math.nan)
         elif r["hook"] == "nocomm":
             pred = cm.Cost()
@@ -390,8 +412,9 @@ def cmd_report(args) -> int:
                         f"{r['pred_bytes']:.0f}"])
 
     cfg = _load(raw / f"{_safe(okrows[0]['hook'])}.rank0.json") if okrows else {}
-    md = [f"# Bandwidth benchmark: 2 ranks (Gloo, one per network namespace), link {args.rate}"
-          + (f" + {args.delay} delay" if args.delay else ""),
+    per_node = args.world // 2
+    md = [f"# Bandwidth benchmark: {args.world} ranks (Gloo, {per_node} per network namespace), "
+          f"link {args.rate}" + (f" + {args.delay} delay" if args.delay else ""),
           "",
           f"Model {cfg.get('model')}, input {cfg.get('size')}x{cfg.get('size')}, batch "
           f"{cfg.get('batch')} per rank, {cfg.get('threads')} thread(s) per rank, gradzip "
@@ -403,7 +426,9 @@ def cmd_report(args) -> int:
           "Bytes: measured = the interface's tx counter (headers included) over the timed steps. "
           "fsdp-* rows (FSDP2, reduce-scatter + all-gather): 'vs all-reduce' is against fsdp-none "
           "(FSDP's own fp32 reduce-scatter), 'vs torch bf16' against fsdp-torch-bf16 (FSDP's bf16 "
-          "reduce dtype); the cost model predicts the DDP rows only.",
+          "reduce dtype); the cost model predicts the DDP rows only"
+          + (" (and none with several ranks per namespace: it has no node layout yet; the "
+             "bytes are each namespace's, all of its ranks together)." if per_node > 1 else "."),
           "",
           "| hook | step s (median) | bytes/step sent per rank | vs all-reduce | vs torch bf16 "
           "| predicted comm s | measured overhead s | predicted step s | predicted bytes/step |",
@@ -416,6 +441,8 @@ def cmd_report(args) -> int:
                   f"{r['speedup']:.2f}x | {r['vs_bf16']:.2f}x | {r['pred_comm']:.3f} | "
                   f"{r['overhead']:.3f} | {r['pred_step']:.3f} | {r['pred_bytes'] / 1e6:.2f} MB |")
     md += ["", "## Targets", ""] + [f"- {t}" for t in targets(base, t_none, t_bf16, hooks)]
+    if per_node > 1:
+        md += [f"- {t}" for t in two_level_targets(base, t_bf16, hooks)]
     (out / "results.md").write_text("\n".join(md) + "\n")
     print((out / "results.md").read_text())
     return 0 if all(r["ok"] for r in rows) else 1
@@ -440,6 +467,18 @@ def targets(base, t_none, t_bf16, hooks) -> list[str]:
     check("sign", 3.0, 1.5)
     check("int8", 2.0, 1.0, strict_bf16=True)
     return lines
+
+
+def two_level_targets(base, t_bf16, hooks) -> list[str]:
+    """The two-level reduction's targets on 2 nodes: two-level int8 at least 1.5x the flat int8
+    step and 1.3x PyTorch's bf16 hook."""
+    flat, two = base.get("int8"), base.get(TWO_LEVEL_PREFIX + "int8")
+    if flat is None or two is None:
+        return [f"{TWO_LEVEL_PREFIX}int8 vs int8: not measured (both must be in --hooks and run)"]
+    a, b = flat["median"] / two["median"], t_bf16 / two["median"]
+    ok = a >= 1.5 and b >= 1.3
+    return [f"{TWO_LEVEL_PREFIX}int8: {a:.2f}x the flat int8 step (target >= 1.5x), {b:.2f}x torch "
+            f"bf16 hook (target >= 1.3x): **{'met' if ok else 'NOT met'}**"]
 
 
 def _safe(hook: str) -> str:
@@ -470,6 +509,8 @@ def check_hooks(hooks: str) -> int:
             return 2
         if local is not None:
             h = local[0]
+        elif h.startswith(TWO_LEVEL_PREFIX):
+            h = h[len(TWO_LEVEL_PREFIX):]
         elif h.startswith(FSDP_PREFIX):
             codec, param_codec = fsdp_codecs(h)
             if codec in ("none", "torch-bf16"):
@@ -514,7 +555,10 @@ def main(argv=None) -> int:
         p.add_argument("--threads", type=int, default=1)
         p.add_argument("--seed", type=int, default=0)
         if name == "rank":
-            p.add_argument("--rank", type=int, required=True, choices=(0, 1))
+            p.add_argument("--rank", type=int, required=True)
+            p.add_argument("--world", type=int, default=2)
+            p.add_argument("--ranks-per-node", type=int, default=1,
+                           help="ranks in each network namespace (the node layout)")
             p.add_argument("--addr", required=True)
             p.add_argument("--port", type=int, required=True)
             p.add_argument("--ifname", required=True)
@@ -527,6 +571,7 @@ def main(argv=None) -> int:
     p.add_argument("--rate", required=True)
     p.add_argument("--delay", default="", help="tc netem delay, e.g. 1ms (added to alpha)")
     p.add_argument("--hooks", required=True)
+    p.add_argument("--world", type=int, default=2)
     p.add_argument("--alpha-us", type=float, default=100.0,
                    help="per-message latency of Gloo over TCP on a veth, besides --delay-ms")
     p.add_argument("--efficiency", type=float, default=0.95)

@@ -3,12 +3,14 @@
 # namespaces, once per communication hook (hooks named fsdp-none, fsdp-torch-bf16, fsdp-CODEC:
 # FSDP2 training with FSDP's own or gradzip's compressed reduce-scatter; fsdp-CODEC+params=PCODEC:
 # and gradzip's compressed parameter all-gather; local:CODEC:H: no DDP, every rank its own replica
-# synced every H steps by gradzip.local_steps; --model lm-s: the harness's language model; see
-# driver.py).
+# synced every H steps by gradzip.local_steps; two-level:CODEC: gradzip.two_level's reduction, exact
+# inside a namespace and CODEC between them; --model lm-s: the harness's language model; see
+# driver.py). --ranks-per-node R: R ranks in each namespace (two "nodes" of R ranks, the ranks of
+# one node talking over its own unshaped loopback), 2R ranks in all.
 #
 #   bench/netem/run.sh --rate 1gbit --out DIR [--delay 1ms] [--model vit-s14] [--size 56]
 #                      [--batch 1] [--steps 8] [--warmup 3] [--threads 1] [--hooks LIST]
-#                      [--guard-nonfinite] [--time-limit SECONDS]
+#                      [--guard-nonfinite] [--time-limit SECONDS] [--ranks-per-node R]
 #
 # Creates namespaces gzne0-PID and gzne1-PID joined by a veth pair (10.244.77.1/.2, addresses that
 # exist only inside the namespaces), shapes both directions with tc (tbf at --rate; netem in front
@@ -30,6 +32,7 @@ usage() { { echo "usage:"; sed -n "9,12p" "${BASH_SOURCE[0]}" | sed "s/^# \{0,1\
 rate="" out="" delay="" model=vit-s14 size=56 batch=1 steps=8 warmup=3 threads=1 guard=()
 hooks="none,torch-fp16,torch-bf16,powersgd:2,bf16,int8,sign,topk:0.01,nocomm"
 time_limit=780
+ranks_per_node=1
 python="${PYTHON:-python3}"
 while (($#)); do
   case "$1" in
@@ -45,6 +48,7 @@ while (($#)); do
     --hooks) hooks="${2:-}"; shift 2 ;;
     --guard-nonfinite) guard=(--guard-nonfinite); shift ;;
     --time-limit) time_limit="${2:-}"; shift 2 ;;
+    --ranks-per-node) ranks_per_node="${2:-}"; shift 2 ;;
     -h|--help) usage ;;
     *) echo "netem: unknown argument $1" >&2; usage ;;
   esac
@@ -52,7 +56,7 @@ done
 [[ -n "$rate" && -n "$out" ]] || usage
 [[ "$rate" =~ ^[0-9]+(\.[0-9]+)?[kmg]bit$ ]] || die "--rate $rate: expected e.g. 1gbit, 500mbit"
 [[ -z "$delay" || "$delay" =~ ^[0-9]+(\.[0-9]+)?(us|ms|s)$ ]] || die "--delay $delay: expected e.g. 1ms"
-for v in size batch steps warmup threads time_limit; do
+for v in size batch steps warmup threads time_limit ranks_per_node; do
   [[ "${!v}" =~ ^[1-9][0-9]*$ ]] || die "--${v//_/-} must be a positive integer"
 done
 
@@ -67,6 +71,10 @@ fi
 if [[ ",$hooks," == *,local:* ]]; then
   "$python" -c "import gradzip.local_steps" 2>/dev/null ||
     die "$python cannot import gradzip.local_steps, needed by the local:* hooks in --hooks $hooks"
+fi
+if [[ ",$hooks," == *,two-level:* ]]; then
+  "$python" -c "import gradzip.two_level" 2>/dev/null ||
+    die "$python cannot import gradzip.two_level, needed by the two-level:* hooks in --hooks $hooks"
 fi
 if [[ ",$hooks," == *,fsdp-* ]]; then
   "$python" -c "import gradzip.fsdp" 2>/dev/null ||
@@ -126,14 +134,17 @@ done
 
 mkdir -p "$out/raw" "$out/logs"
 rm -f "$out"/raw/*.json
-echo "bench/netem/run.sh --rate $rate --out $out${delay:+ --delay $delay} --model $model --size $size --batch $batch --steps $steps --warmup $warmup --threads $threads --hooks $hooks${guard:+ --guard-nonfinite}" >"$out/command.txt"
+echo "bench/netem/run.sh --rate $rate --out $out${delay:+ --delay $delay} --model $model --size $size --batch $batch --steps $steps --warmup $warmup --threads $threads --hooks $hooks${guard:+ --guard-nonfinite} --ranks-per-node $ranks_per_node" >"$out/command.txt"
 ip netns exec "$ns0" tc -s qdisc show dev "$v0" >"$out/logs/qdisc.txt"
 
 common=(--model "$model" --size "$size" --batch "$batch" --steps "$steps" --warmup "$warmup" --threads "$threads")
 deadline=$((SECONDS + time_limit))
 per_hook_max=$((time_limit / 3 > 60 ? time_limit / 3 : 60))
 
-# Runs both ranks of one hook; a rank that fails takes the other down at once.
+world=$((2 * ranks_per_node))
+
+# Runs every rank of one hook (ranks 0..R-1 in the first namespace, R..2R-1 in the second); a rank
+# that fails takes the others down at once.
 run_hook() {
   local i=$1 hook=$2 safe=${2//:/_}
   local left=$((deadline - SECONDS - 30))
@@ -141,10 +152,11 @@ run_hook() {
   local t=$((left < per_hook_max ? left : per_hook_max))
   local port=$((29500 + i))
   local -a rp=()
-  for r in 0 1; do
+  for ((r = 0; r < world; r++)); do
     local ns=$ns0 dev=$v0
-    ((r == 0)) || { ns=$ns1; dev=$v1; }
+    ((r < ranks_per_node)) || { ns=$ns1; dev=$v1; }
     timeout -k 5 "$t" ip netns exec "$ns" "$python" "$here/driver.py" rank --rank "$r" \
+      --world "$world" --ranks-per-node "$ranks_per_node" \
       --addr "$ip0" --port "$port" --ifname "$dev" --hook "$hook" --timeout "$t" \
       --json "$out/raw/$safe.rank$r.json" "${common[@]}" "${guard[@]}" >"$out/logs/$safe.rank$r.log" 2>&1 &
     rp+=($!)
@@ -156,7 +168,7 @@ run_hook() {
   pids=()
   if ((rc)); then
     echo "netem: $hook FAILED; last lines of its logs:" >&2
-    tail -n 5 "$out/logs/$safe.rank0.log" "$out/logs/$safe.rank1.log" >&2 || true
+    for ((r = 0; r < world; r++)); do tail -n 5 "$out/logs/$safe.rank$r.log" >&2 || true; done
   else
     echo "netem: $hook done" >&2
   fi
@@ -177,5 +189,5 @@ timeout -k 5 "$left" ip netns exec "$ns0" "$python" "$here/driver.py" single \
 ip netns exec "$ns0" tc -s qdisc show dev "$v0" >>"$out/logs/qdisc.txt"
 
 "$python" "$here/driver.py" report --dir "$out" --rate "$rate" ${delay:+--delay "$delay"} \
-  --hooks "$hooks" || failed=1
+  --hooks "$hooks" --world "$world" || failed=1
 exit $failed

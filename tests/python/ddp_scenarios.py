@@ -257,12 +257,13 @@ def checkpoint_resume(rank, world, outdir, codecs):
         checkpoint_resume_one(rank, world, outdir, codec)
 
 
-def overflow_one(rank, world, outdir, codec):
+def overflow_one(rank, world, outdir, codec, state_cls=CompressionState, tag="", **state_args):
     """Step 2 has an Inf input on rank 0: GradScaler must skip it on every rank, the residuals must
-    stay as they were, and the later steps must train normally."""
+    stay as they were, and the later steps must train normally. ``state_cls(codec, **state_args)``:
+    the hook's state (test_two_level.py's is TwoLevelState), saved under ``tag``."""
     model = make_model()
     ddp = make_ddp(model, {})
-    state = CompressionState(codec, min_compress_numel=0)
+    state = state_cls(codec, min_compress_numel=0, **state_args)
     ddp.register_comm_hook(state, compress_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
@@ -287,7 +288,7 @@ def overflow_one(rank, world, outdir, codec):
             "residuals_finite": all(bool(torch.isfinite(v["residual"]).all()) for v in after.values()),
         })
     torch.save({"log": log, "params": [p.detach().clone() for p in model.parameters()]},
-               os.path.join(outdir, f"overflow_{codec}_{rank}.pt"))
+               os.path.join(outdir, f"overflow{tag}_{codec}_{rank}.pt"))
 
 
 def checkpoint_resume_one(rank, world, outdir, codec):

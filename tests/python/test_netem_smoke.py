@@ -95,6 +95,25 @@ def test_language_model_and_local_steps(tmp_path):
 
 
 @needs_netns
+def test_two_nodes_of_two_ranks(tmp_path):
+    """--ranks-per-node 2: two ranks in each namespace, the flat int8 hook against the two-level
+    one, which sends one node's int8 shards over the link instead of each rank's: about half the
+    bytes leave a node."""
+    out = tmp_path / "netem"
+    hooks = ["int8", "two-level:int8"]
+    r = subprocess.run(["bash", str(RUN), "--rate", "10gbit", "--out", str(out), "--model",
+                        "vit-t14", "--size", "56", "--steps", "2", "--warmup", "2", "--hooks",
+                        ",".join(hooks), "--ranks-per-node", "2", "--time-limit", "280"],
+                       env=_env(), capture_output=True, text=True, timeout=320)
+    assert r.returncode == 0, r.stdout + r.stderr
+    with open(out / "results.csv", newline="") as f:
+        sent = {row["hook"]: float(row["bytes_per_step"]) for row in csv.DictReader(f)}
+    assert 0.3 * sent["int8"] < sent["two-level:int8"] < 0.75 * sent["int8"], sent
+    md = (out / "results.md").read_text()
+    assert "4 ranks (Gloo, 2 per network namespace)" in md and "the flat int8 step" in md
+
+
+@needs_netns
 def test_interrupt_removes_namespaces(tmp_path):
     # SIGINT at its default in the child: a test run from a background job inherits it ignored,
     # and bash cannot trap a signal ignored at entry

@@ -235,26 +235,17 @@ class StateStore:
             if not keep_moments:
                 st.moments, st.updates, st.exact_updates = [], 0, 0
 
+    def drop_retired(self) -> None:
+        """Forgets the replaced buckets' state (what no later bucket can claim)."""
+        self._retired = []
+
     def _drop_claimed(self) -> None:
         live = {k for st in self.buckets.values() for k in st.offsets()}
         self._retired = [st for st in self._retired if not set(st.offsets()) <= live]
 
-    def covering(self, layout: Layout) -> Optional[List[int]]:
-        """Indices of two or more stored buckets whose parameters are exactly this layout's (in
-        any order), or None: DDP's first iteration puts every parameter in one bucket; a run resumed
-        from a checkpoint reduces it as the saved buckets, as the uninterrupted run did."""
-        if layout in [st.layout for st in self.buckets.values()]:
-            return None
-        keys = {k for k, _ in layout[1]}
-        found, seen = [], set()
-        for i, st in sorted(self.buckets.items()):
-            ks = set(st.offsets())
-            if ks and ks <= keys:
-                found.append(i)
-                seen |= ks
-        if len(found) < 2 or seen != keys or sum(self.buckets[i].layout[0] for i in found) != layout[0]:
-            return None
-        return found
+    def covering(self, layout: Layout) -> Optional[List[Tuple[int, Layout]]]:
+        """The stored buckets that hold exactly this layout's parameters (see :func:`covering`)."""
+        return covering({i: st.layout for i, st in self.buckets.items()}, layout)
 
     def state_dict(self) -> dict:
         clone = lambda t: None if t is None else t.detach().clone()  # noqa: E731
@@ -275,6 +266,25 @@ class StateStore:
                                 clone(v.get("q")), int(v.get("q_rank", 0)),
                                 v.get("exact_updates"))
             for i, v in d.items()}
+
+
+def covering(layouts: dict, layout: Layout) -> Optional[List[Tuple[int, Layout]]]:
+    """(index, layout) of two or more of ``layouts`` (index -> layout, the buckets a state has
+    reduced) whose parameters are exactly this layout's (in any order), or None: DDP's first
+    iteration puts every parameter in one bucket; a run resumed from a checkpoint reduces it as
+    the saved buckets, as the uninterrupted run did."""
+    if layout in layouts.values():
+        return None
+    keys = {k for k, _ in layout[1]}
+    found, seen = [], set()
+    for i, saved in sorted(layouts.items()):
+        ks = set(param_offsets(saved))
+        if ks and ks <= keys:
+            found.append((i, saved))
+            seen |= ks
+    if len(found) < 2 or seen != keys or sum(saved[0] for _, saved in found) != layout[0]:
+        return None
+    return found
 
 
 def tuplify(x):

@@ -112,7 +112,12 @@ class CompressionState(ReducerState):
         logger.info("gradzip: CompressionState unpickled; process_group set to the default group")
 
     def _group(self):
+        """The group the codec reduces over."""
         return self.process_group if self.process_group is not None else dist.group.WORLD
+
+    def _covering(self, layout):
+        """The saved buckets a resumed run's first bucket is reduced as (StateStore.covering)."""
+        return self._ef.covering(layout)
 
     def _setup(self, device):
         if self._runtime is None:
@@ -176,9 +181,9 @@ def _reduce_dense(state, bucket, buf):
     cfg = state.config
     layout = state._keys.layout(bucket, buf.numel())
     resuming = cfg.keeps_state and state._resumed_step == state.step
-    cover = state._ef.covering(layout) if resuming else None
+    cover = state._covering(layout) if resuming else None
     if cover is not None:
-        return reduce_as_saved(buf, layout, cover, state._ef,
+        return reduce_as_saved(buf, layout, cover,
                                lambda i, part, saved: state._reduce(i, part, part, saved))
     encoded = cfg.transport(state.step, buf.numel(), state._world) is not None
     # bf16/fp16 buckets are upcast for the codecs and the direction (the state is fp32)

@@ -30,16 +30,16 @@ class ParameterKeys:
         return (n, tuple((k, tuple(p.shape)) for k, p in zip(keys, params)))
 
 
-def reduce_as_saved(buf: torch.Tensor, layout, cover, store: StateStore, reduce):
-    """Reduces ``buf`` (of ``layout``) as the stored buckets ``cover`` that hold its parameters (a
+def reduce_as_saved(buf: torch.Tensor, layout, cover, reduce):
+    """Reduces ``buf`` (of ``layout``) as the stored buckets ``cover`` ((index, layout) pairs,
+    StateStore.covering) that hold its parameters (a
     resumed run's first iteration, whose one bucket the uninterrupted run reduced as several), each
     on a gathered float32 copy by ``reduce(index, part, saved_layout)`` (a Future), and scatters
     the averages back. Returns the Future of ``buf``."""
     x = buf.float() if buf.dtype != torch.float32 else buf
     where = param_offsets(layout)
     parts, futs = [], []
-    for i in cover:
-        saved = store.buckets[i].layout
+    for i, saved in cover:
         index = torch.cat([torch.arange(where[k][0], where[k][0] + where[k][1]) for k, _ in saved[1]])
         index = index.to(buf.device)
         part = x.index_select(0, index)

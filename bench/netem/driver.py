@@ -366,27 +366,30 @@ def cmd_report(args) -> int:
     link = cm.Link(rate, latency_s=args.alpha_us * 1e-6 + parse_delay_s(args.delay),
                    efficiency=args.efficiency)
     okrows = [r for r in rows if r["ok"]]
-    # the cost model has no node layout: with several ranks per node it predicts nothing
-    modelled = [h for h in hooks if h != "nocomm" and not h.startswith(FSDP_PREFIX)] \
-        if args.world == 2 else []
-    # a local:CODEC:H hook runs its codec's reduction: each codec measured once
-    codec_of = {h: (local_steps_of(h) or (h,))[0] for h in modelled}
+    per_node = args.world // 2  # two namespaces, the nodes
+    intra = cm.Link(args.intra_gbps, latency_s=args.alpha_us * 1e-6, efficiency=args.efficiency)
+    modelled = [h for h in hooks if h != "nocomm" and not h.startswith(FSDP_PREFIX)]
+    # a local:CODEC:H hook runs its codec's reduction, two-level:CODEC its codec's between the
+    # nodes: each codec measured once
+    codec_of = {h: (local_steps_of(h) or (h.removeprefix(TWO_LEVEL_PREFIX),))[0] for h in modelled}
     by_codec, speed_note = measured_speeds(sorted(set(codec_of.values())),
                                            okrows[0]["threads"] if okrows else 1)
     speeds = {h: by_codec.get(codec) for h, codec in codec_of.items()}
     for r in okrows:
         fsdp = r["hook"].startswith(FSDP_PREFIX)
-        if fsdp or r["hook"] not in modelled + ["nocomm"]:
+        hook = r["hook"]
+        if fsdp:
             pred = cm.Cost(seconds=math.nan, sent_bytes=math.nan)
-        elif r["hook"] == "nocomm":
+        elif hook == "nocomm":
             pred = cm.Cost()
-        elif (local := local_steps_of(r["hook"])) is not None:  # one all-reduce every H steps
-            buckets = cm.ddp_buckets([tuple(s) for s in r["shapes"]])
-            sync = cm.step_cost(local[0], buckets, 2, link, speeds.get(r["hook"]))
-            pred = cm.Cost(seconds=sync.seconds / local[1], sent_bytes=sync.sent_bytes / local[1])
         else:
-            pred = cm.step_cost(r["hook"], cm.ddp_buckets([tuple(s) for s in r["shapes"]]), 2,
-                                link, speeds.get(r["hook"]))
+            buckets = cm.ddp_buckets([tuple(s) for s in r["shapes"]])
+            local = local_steps_of(hook)
+            two_level = hook.startswith(TWO_LEVEL_PREFIX)
+            pred = cm.step_cost(codec_of[hook], buckets, args.world, link, speeds.get(hook),
+                                per_node=per_node, intra=intra if two_level else None)
+            if local is not None:  # one sync every H steps
+                pred = cm.Cost(seconds=pred.seconds / local[1], sent_bytes=pred.sent_bytes / local[1])
         r.update(pred_comm=pred.seconds, pred_bytes=pred.sent_bytes,
                  pred_step=nocomm + pred.seconds, overhead=r["median"] - nocomm,
                  speedup=(f_none if fsdp else t_none) / r["median"],
@@ -412,7 +415,6 @@ def cmd_report(args) -> int:
                         f"{r['pred_bytes']:.0f}"])
 
     cfg = _load(raw / f"{_safe(okrows[0]['hook'])}.rank0.json") if okrows else {}
-    per_node = args.world // 2
     md = [f"# Bandwidth benchmark: {args.world} ranks (Gloo, {per_node} per network namespace), "
           f"link {args.rate}" + (f" + {args.delay} delay" if args.delay else ""),
           "",
@@ -427,7 +429,8 @@ def cmd_report(args) -> int:
           "fsdp-* rows (FSDP2, reduce-scatter + all-gather): 'vs all-reduce' is against fsdp-none "
           "(FSDP's own fp32 reduce-scatter), 'vs torch bf16' against fsdp-torch-bf16 (FSDP's bf16 "
           "reduce dtype); the cost model predicts the DDP rows only"
-          + (" (and none with several ranks per namespace: it has no node layout yet; the "
+          + (f" (each namespace a node of {per_node} ranks sharing the link, their traffic "
+             f"inside it charged at {args.intra_gbps:g} Gbit/s to the two-level rows only; the "
              "bytes are each namespace's, all of its ranks together)." if per_node > 1 else "."),
           "",
           "| hook | step s (median) | bytes/step sent per rank | vs all-reduce | vs torch bf16 "
@@ -572,6 +575,8 @@ def main(argv=None) -> int:
     p.add_argument("--delay", default="", help="tc netem delay, e.g. 1ms (added to alpha)")
     p.add_argument("--hooks", required=True)
     p.add_argument("--world", type=int, default=2)
+    p.add_argument("--intra-gbps", type=float, default=20.0,
+                   help="the cost model's link between the ranks of a namespace (its loopback)")
     p.add_argument("--alpha-us", type=float, default=100.0,
                    help="per-message latency of Gloo over TCP on a veth, besides --delay-ms")
     p.add_argument("--efficiency", type=float, default=0.95)

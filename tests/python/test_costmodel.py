@@ -216,3 +216,49 @@ def test_uncompressed_tensors_cost_fp32_bytes():
     topk = cm.Codec.parse("topk:0.01", uncompressed_numel=50)
     assert cm.bucket_cost(topk, shapes, p, LINK) == cm.bucket_cost(cm.Codec.parse("topk:0.01"),
                                                                    shapes, p, LINK)
+
+
+def test_nodes_share_their_link_in_the_all_to_all_not_in_the_ring():
+    """R ranks per node: each ring step crosses a node's link once (a ring's bytes per node do not
+    grow with R), the all-to-all's R (W - R) remote messages all leave through it."""
+    w, r, s = 16, 4, 1e6
+    a2a = cm.alltoall(s, w, LINK, per_node=r)
+    assert a2a.sent_bytes == pytest.approx(r * (w - r) * s)
+    assert a2a.seconds == pytest.approx((w - 1) * 1e-4 + r * (w - r) * s / 1e9)
+    codec = cm.Codec.parse("int8")
+    n = 4_000_037
+    flat = cm.step_cost(codec, [[(n,)]], w, LINK, per_node=r)
+    shard = codec.encoded_bytes(math.ceil(n / w))
+    assert flat.sent_bytes == pytest.approx(r * (w - r) * shard + (w - 1) * shard)
+    none = cm.step_cost("none", [[(n,)]], w, LINK, per_node=r)
+    assert none.sent_bytes == pytest.approx(2 * (w - 1) / w * 4 * n)
+
+
+def test_two_level_by_hand():
+    """gradzip.two_level on N nodes of R: a ring all-reduce of the fp32 bucket inside the node,
+    and each rank's shard of n / R elements reduced between the nodes in two phases, the R shards'
+    reductions sharing the node's link (what leaves the node: R of them)."""
+    nodes, r, n = 4, 8, 8_000_001
+    intra = cm.Link(400.0, latency_s=1e-5)
+    codec = cm.Codec.parse("sign")
+    got = cm.step_cost(codec, [[(n,)]], nodes * r, LINK, per_node=r, intra=intra)
+    shard = math.ceil(n / r)
+    piece = codec.encoded_bytes(math.ceil(shard / nodes))  # what a rank sends each node peer
+    inter_bytes = 2 * (nodes - 1) * piece  # all-to-all, then all-gather, per rank
+    assert got.sent_bytes == pytest.approx(r * inter_bytes)
+    inside = 2 * (r - 1) * (1e-5 + 4 * n / r / intra.bytes_per_s)
+    between = 2 * (nodes - 1) * 1e-4 + inter_bytes / (LINK.bytes_per_s / r)
+    assert got.seconds == pytest.approx(inside + between)
+    with pytest.raises(ValueError, match="do not divide"):
+        cm.step_cost(codec, [[(n,)]], 30, LINK, per_node=8)
+
+
+def test_cli_projects_nodes_with_two_level_columns():
+    out = subprocess.run([sys.executable, "-m", "gradzip.costmodel", "--params", "5e7",
+                          "--workers", "8,64", "--gbps", "100", "--ranks-per-node", "8",
+                          "--codecs", "int8,sign"], capture_output=True, text=True,
+                         check=True).stdout
+    assert "two-level:int8" in out and "two-level:sign" in out and "Bytes each node" in out
+    rows = [line for line in out.splitlines() if line.startswith("| ")]
+    assert not any(line.startswith("| 8 |") for line in rows)  # one node: nothing crosses
+    assert any(line.startswith("| 64 | 100 |") for line in rows)

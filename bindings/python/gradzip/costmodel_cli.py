@@ -7,6 +7,8 @@ all-reduce and the bf16 all-reduce (above it, the codec no longer pays for itsel
   python -m gradzip.costmodel                          # vit-l14, 8..1024 workers, 10..400 Gbit/s
   python -m gradzip.costmodel --model vit-s14 --measure   # codec speed timed via gradzip's ops
   python -m gradzip.costmodel --params 1e9             # a flat model of 1e9 parameters
+  python -m gradzip.costmodel --ranks-per-node 8       # nodes of 8 GPUs: the link is a node's,
+                                                       # and two-level:CODEC columns beside
 """
 
 from __future__ import annotations
@@ -63,6 +65,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "H200's HBM); ignored with --measure")
     ap.add_argument("--measure", action="store_true",
                     help="time gradzip's ops on this machine for the codec speed")
+    ap.add_argument("--ranks-per-node", type=int, default=1, metavar="R",
+                    help="ranks per node sharing each node's link (--gbps); with R > 1 the "
+                         "two-level reduction (gradzip.two_level) of each codec is projected too")
+    ap.add_argument("--intra-gbps", type=float, default=3600.0,
+                    help="the link between the ranks of a node, Gbit/s each way (default: "
+                         "NVLink 4's 450 GB/s)")
     ap.add_argument("--codecs", default=",".join(cm.BENCH_HOOKS[1:]),
                     help="codecs/hooks to compare against the fp32 all-reduce; SPEC@fp32: the "
                          "codec with cast_sum='fp32' (top-k's two-phase exchange)")
@@ -77,7 +85,24 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(str(e))
     if not args.workers or min(args.workers) < 2 or not args.gbps or min(args.gbps) <= 0:
         ap.error("--workers must be >= 2 and --gbps > 0")
+    if args.ranks_per_node < 1 or any(w % args.ranks_per_node for w in args.workers) \
+            or args.intra_gbps <= 0:
+        ap.error("--ranks-per-node must divide every --workers value, --intra-gbps be > 0")
+    # one node sends nothing over the link between nodes: the layouts of two nodes and more
+    args.workers = [w for w in args.workers if w >= 2 * args.ranks_per_node]
+    if not args.workers:
+        ap.error("--workers: no value makes two nodes or more of --ranks-per-node ranks")
     return args
+
+
+TWO_LEVEL = "two-level:"
+
+
+def two_level_codecs(codecs: list[str]) -> list[str]:
+    """The codecs gradzip.two_level carries (a shard cuts lowrank's matrices; PyTorch's hooks
+    have no two-level form), named two-level:CODEC."""
+    return [TWO_LEVEL + c for c in codecs
+            if c != "none" and not c.startswith(("torch-", "powersgd", "lowrank"))]
 
 
 def main(argv=None) -> int:
@@ -92,14 +117,25 @@ def main(argv=None) -> int:
             return 2
     buckets = cm.ddp_buckets(shapes, cap_bytes=int(args.bucket_mb * 2**20))
     n = sum(cm.numel(s) for s in shapes)
-    codecs = ["none"] + [c for c in args.codecs if c != "none"]
-    sp = cm.codec_speeds(codecs, args.measure, args.mem_gbps)
-    parsed = {c: cm.Codec.parse(c, uncompressed_numel=args.uncompressed_numel)
+    flat = ["none"] + [c for c in args.codecs if c != "none"]
+    r = args.ranks_per_node
+    codecs = flat + (two_level_codecs(flat) if r > 1 else [])
+    sp = cm.codec_speeds(flat, args.measure, args.mem_gbps)
+    sp.update({c: sp[c[len(TWO_LEVEL):]] for c in codecs if c.startswith(TWO_LEVEL)})
+    parsed = {c: cm.Codec.parse(c.removeprefix(TWO_LEVEL), uncompressed_numel=args.uncompressed_numel)
               for c in codecs + ["torch-bf16"]}
+    intra = cm.Link(args.intra_gbps, args.latency_us * 1e-6, args.efficiency)
+
+    def cost(c: str, p: int, link: cm.Link) -> cm.Cost:
+        return cm.step_cost(parsed[c], buckets, p, link, sp[c], per_node=r,
+                            intra=intra if c.startswith(TWO_LEVEL) else None)
+
     speed_note = "measured here via gradzip ops" if args.measure else \
         f"memory-bound at {args.mem_gbps:g} GB/s"
     print(f"# gradzip cost model: {label}, {n / 1e6:.1f}M parameters in {len(buckets)} buckets; "
-          f"alpha {args.latency_us:g} us, efficiency {args.efficiency:g}; codec speed {speed_note}")
+          f"alpha {args.latency_us:g} us, efficiency {args.efficiency:g}; codec speed {speed_note}"
+          + (f"; {r} ranks per node sharing its link (--gbps), {args.intra_gbps:g} Gbit/s inside "
+             "it (charged to the two-level rows only)" if r > 1 else ""))
     print()
     print("## Predicted communication time per step (ms), no overlap with backward")
     print()
@@ -108,19 +144,21 @@ def main(argv=None) -> int:
     for p in args.workers:
         for g in args.gbps:
             link = cm.Link(g, args.latency_us * 1e-6, args.efficiency)
-            cells = [f"{cm.step_cost(parsed[c], buckets, p, link, sp[c]).seconds * 1e3:.1f}"
-                     for c in codecs]
+            cells = [f"{cost(c, p, link).seconds * 1e3:.1f}" for c in codecs]
             print(f"| {p} | {g:g} | " + " | ".join(cells) + " |")
     link = cm.Link(1.0, args.latency_us * 1e-6, args.efficiency)  # the bytes do not depend on it
     print()
-    print("## Bytes each rank sends per step (MB); fp32's ring all-reduce divided by them in ()")
+    print(f"## Bytes each {'node' if r > 1 else 'rank'} sends per step (MB); fp32's ring "
+          "all-reduce divided by them in ()")
     print()
     print("| workers | " + " | ".join(codecs) + " |")
     print("|---:|" + "---:|" * len(codecs))
     for p in args.workers:
-        sent = {c: cm.step_cost(parsed[c], buckets, p, link, sp[c]).sent_bytes for c in codecs}
+        sent = {c: cost(c, p, link).sent_bytes for c in codecs}
         cells = [f"{sent[c] / 1e6:.2f} ({sent['none'] / sent[c]:.1f}x)" for c in codecs]
         print(f"| {p} | " + " | ".join(cells) + " |")
+    if r > 1:  # break-even rates need the flat model's one link per rank
+        return 0
     for base in ("none", "torch-bf16"):
         print()
         print(f"## Break-even link rate (Gbit/s) against {base}: the codec is faster below "

@@ -165,18 +165,24 @@ def ring_allgather(nbytes_each: float, p: int, link: Link) -> Cost:
     return Cost() if p <= 1 else _steps(p - 1, nbytes_each, link)
 
 
-def alltoall(nbytes_per_peer: float, p: int, link: Link) -> Cost:
-    """Pairwise exchange: p-1 steps, each sending one peer its s bytes."""
-    return Cost() if p <= 1 else _steps(p - 1, nbytes_per_peer, link)
+def alltoall(nbytes_per_peer: float, p: int, link: Link, per_node: int = 1) -> Cost:
+    """Pairwise exchange: p-1 steps, each sending one peer its s bytes. ``per_node``: ranks that
+    share ``link`` (a node's), their p - per_node remote peers' bytes all go through it (a ring's
+    steps cross it once per node whatever per_node is)."""
+    if p <= 1:
+        return Cost()
+    out = per_node * (p - per_node) * nbytes_per_peer  # what leaves one node
+    return Cost((p - 1) * link.latency_s + out / link.bytes_per_s, out, p - 1)
 
 
-def two_phase(codec: Codec, n: int, p: int, link: Link, exact: int = 0) -> Cost:
+def two_phase(codec: Codec, n: int, p: int, link: Link, exact: int = 0,
+              per_node: int = 1) -> Cost:
     """All-to-all of encoded shards, fp32 sum at the shard owner, re-encode, all-gather; ``exact``
     of the n elements in fp32 (their own message in each shard)."""
     shard = codec.encoded_bytes(wire.ceil_div(n - exact, p)) if n > exact else 0
     if exact:
         shard += wire.encoded_bytes("fp32", wire.ceil_div(exact, p))
-    return alltoall(shard, p, link) + ring_allgather(shard, p, link)
+    return alltoall(shard, p, link, per_node) + ring_allgather(shard, p, link)
 
 
 # --- codec compute --------------------------------------------------------------------------------
@@ -319,8 +325,9 @@ def _cast_bytes(codec: Codec) -> int:
 
 def bucket_cost(codec: Codec, shapes: Sequence[Shape], p: int, link: Link,
                 speed: CodecSpeed | None = None,
-                min_compress_numel: int = wire.MIN_COMPRESS_NUMEL) -> Cost:
-    """Communication plus codec compute for one bucket holding tensors of the given shapes."""
+                min_compress_numel: int = wire.MIN_COMPRESS_NUMEL, per_node: int = 1) -> Cost:
+    """Communication plus codec compute for one bucket holding tensors of the given shapes;
+    ``per_node`` ranks share each ``link`` (see :func:`alltoall`)."""
     n = sum(numel(s) for s in shapes)
     c = codec.collective
     if c == "allreduce":
@@ -331,7 +338,7 @@ def bucket_cost(codec: Codec, shapes: Sequence[Shape], p: int, link: Link,
         comm = ring_allreduce(_cast_bytes(codec) * n, p, link)
     elif c == "two_phase":
         exact = codec.uncompressed_elements(shapes)
-        comm = two_phase(codec, n, p, link, exact)
+        comm = two_phase(codec, n, p, link, exact, per_node)
         return comm + Cost(seconds=codec_compute_s(codec, n - exact, p, speed))  # fp32: no codec
     elif c == "allgather":
         comm = ring_allgather(codec.encoded_bytes(n), p, link)
@@ -348,13 +355,37 @@ def bucket_cost(codec: Codec, shapes: Sequence[Shape], p: int, link: Link,
     return comm + Cost(seconds=codec_compute_s(codec, n, p, speed))
 
 
+def two_level_bucket_cost(codec: Codec, shapes: Sequence[Shape], p: int, per_node: int,
+                          link: Link, intra: Link, speed: CodecSpeed | None = None) -> Cost:
+    """gradzip.two_level's reduction of one bucket on p ranks, ``per_node`` to a node: an fp32
+    reduce-scatter and all-gather inside the node (a ring all-reduce's steps on ``intra``), and
+    the codec's reduction of each rank's 1/per_node shard between the p / per_node nodes, the
+    node's per_node shards' reductions sharing its ``link``. ``sent_bytes``: what leaves a node."""
+    n = sum(numel(s) for s in shapes)
+    inner = ring_allreduce(4 * n, per_node, intra)
+    shared = Link(link.gbps / per_node, link.latency_s, link.efficiency)
+    outer = bucket_cost(codec, [(wire.ceil_div(n, per_node),)], p // per_node, shared, speed)
+    return Cost(inner.seconds + outer.seconds, per_node * outer.sent_bytes,
+                inner.messages + outer.messages)
+
+
 def step_cost(codec: Codec | str, buckets: Sequence[Sequence[Shape]], p: int, link: Link,
-              speed: CodecSpeed | None = None) -> Cost:
-    """One training step's communication: the buckets one after the other, no overlap."""
+              speed: CodecSpeed | None = None, per_node: int = 1,
+              intra: Link | None = None) -> Cost:
+    """One training step's communication: the buckets one after the other, no overlap.
+    ``per_node``: ranks per node (p of them in all, ``link`` each node's link to the others, its
+    ``sent_bytes`` what leaves a node; traffic inside a node is not charged); ``intra``: the link
+    inside a node, for gradzip.two_level's reduction (None: the flat hook)."""
     codec = Codec.parse(codec) if isinstance(codec, str) else codec
+    if per_node < 1 or p % per_node:
+        raise ValueError(f"{per_node} ranks per node do not divide {p} ranks")
+    if per_node > 1 and p == per_node and intra is None:
+        return Cost()  # one node: the slow link carries nothing
     total = Cost()
     for shapes in buckets:
-        total = total + bucket_cost(codec, shapes, p, link, speed)
+        total = total + (bucket_cost(codec, shapes, p, link, speed, per_node=per_node)
+                         if intra is None else
+                         two_level_bucket_cost(codec, shapes, p, per_node, link, intra, speed))
     return total
 
 

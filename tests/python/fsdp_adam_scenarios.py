@@ -13,6 +13,8 @@ from fsdp_scenarios import _save, full_params, local_params, loss_of, make_model
 from gradzip.optim import CompressedSGD, FrozenVarianceAdamW
 
 LR, WD, WARMUP = 1e-2, 0.01, 3
+# reductions(): (codec, with FrozenVarianceAdamW, uncompressed_numel)
+REDUCTIONS = [("sign", True, 0), ("sign", True, 1), ("sign", False, 0)]
 
 
 def build(codec, denominator_dtype="bf16", warmup=WARMUP, policy=None, **kw):
@@ -148,3 +150,59 @@ def refused(rank, world, outdir):
         lambda m: FrozenVarianceAdamW(m.parameters()), backward=True,
         policy=MixedPrecisionPolicy(reduce_dtype=torch.float16)))
     _save(outdir, "refused", rank, out)
+
+
+# dim 0 of 129 rows: FSDP pads the last rank's shard for W = 2 and 3, and the biases' chunks (43
+# to 65 elements) include compressed pieces with padding next to the 7-row layer's exact ones
+WIDE_ODD = 129
+
+
+def reductions(rank, world, outdir, configs, steps=6):
+    """Every call of the compressed reduce-scatter, per (codec, with optimizer, uncompressed_numel):
+    the step count and op it saw, its input before and after (the gradient FSDP gives, then what
+    the rank sends), the group's residual and m before and after, the frozen denominator and the
+    output (the sharded update or gradient); per step the sharded gradients and the parameters
+    before and after opt.step(). The test recomputes each call from these, independently."""
+    out = {}
+    for codec, with_opt, uncompressed in configs:
+        model = make_model(hidden=WIDE_ODD)
+        opt = (FrozenVarianceAdamW if with_opt else torch.optim.SGD)(model.parameters(), lr=LR,
+                                                                       weight_decay=WD)
+        state = gradzip.fsdp.compress(model, codec, warmup_steps=WARMUP, min_compress_numel=0,
+                                      optimizer=opt if with_opt else None,
+                                      uncompressed_numel=uncompressed)
+        calls, reduce, now = [], state._reduce_scatter, [0]
+        clone = lambda t: None if t is None else t.detach().clone()  # noqa: E731
+
+        def spy(index, output, input, group, op, async_op, divide_factor, calls=calls,
+                reduce=reduce, state=state, now=now):
+            st = state._groups.get(index)
+            adam = None if st is None else st.adam
+            call = {"train_step": now[0], "step": state.step, "index": index, "op": str(op),
+                    "divide": divide_factor, "async": async_op, "input": clone(input),
+                    "residual": None if st is None else clone(st.residual),
+                    "m": None if adam is None else clone(adam.m)}
+            result = reduce(index, output, input, group, op, async_op, divide_factor)
+            if result is not None:
+                result.wait()
+            st = state._groups[index]
+            call.update(sent=clone(input), output=clone(output), residual_after=clone(st.residual),
+                        m_after=None if st.adam is None else clone(st.adam.m),
+                        denominator=None if st.adam is None else clone(st.adam.denominator),
+                        sizes=[p.size for p in state._params[index]])
+            calls.append(call)
+            return result
+
+        state._reduce_scatter = spy
+        per_step = []
+        for step in range(steps):
+            now[0] = step
+            loss_of(model, step, rank).backward()
+            before = local_params(model)
+            grads = [p.grad.to_local().detach().clone() for p in model.parameters()]
+            opt.step()
+            opt.zero_grad()
+            per_step.append({"grads": grads, "before": before, "after": local_params(model)})
+        out[(codec, with_opt, uncompressed)] = {"calls": calls, "steps": per_step,
+                                                "groups": len(state._params)}
+    _save(outdir, "reductions", rank, out)

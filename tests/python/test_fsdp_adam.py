@@ -4,7 +4,10 @@ reference of the algorithm written here (exact warm-up, then the fp32 codec, who
 is an exact average: the reference computes it); one Adam state (the denominator's bits the same
 on every rank and the owner's own, the parameters the same) after the freeze with sign and int8;
 resume from state_dict before and after the freeze; a NaN gradient visible with the state restored;
-the configurations it refuses."""
+the configurations it refuses; every call of the sign reduce-scatter (with and without the optimizer)
+recomputed in float64 from the codec's definition."""
+
+import math
 
 import pytest
 import torch
@@ -29,7 +32,7 @@ def session(request, tmp_path_factory):
     world = request.param
     outdir = tmp_path_factory.mktemp(f"fsdp_adam{world}")
     plan = [(fa.trajectory, (REFERENCE + ONE_STATE, STEPS)), (fa.resume, (RESUME, STEPS)),
-            (fa.nonfinite, ("sign",)), (fa.refused, ())]
+            (fa.nonfinite, ("sign",)), (fa.refused, ()), (fa.reductions, (fa.REDUCTIONS, STEPS))]
     run_ranks(sc.session, world, str(outdir), plan, timeout=300)
     return world, outdir
 
@@ -179,3 +182,137 @@ def test_bad_settings_raise_before_any_collective():
         FSDPCompressionState("sign", optimizer=opt)
     with pytest.raises(ValueError, match="denominator_dtype"):
         FSDPCompressionState("sign", warmup_steps=1, optimizer=opt, denominator_dtype="fp16")
+
+
+def _rows(size, world):
+    """A dim-0 parameter's chunk in each of FSDP's W rows: (chunk elements, real elements)."""
+    per_row = -(-size[0] // world)
+    cols = math.prod(size[1:])
+    return [(per_row * cols, max(0, min(per_row, size[0] - j * per_row)) * cols)
+            for j in range(world)]
+
+
+def _sign_reference(c, sizes, world, uncompressed):
+    """The 1-bit codec's decode of ``c`` (what a rank encodes: float32, FSDP's layout of
+    ``sizes``) in float64, by its definition: each parameter's chunk of each row is a piece, exact
+    (fp32) when shorter than 64 elements or sent uncompressed; the others restart 1024-element
+    blocks whose elements decode to +-(the block's mean |c|), negative where the sign bit is set.
+    Returns the decoded values and the per-element block scale (0 on exact pieces)."""
+    c64 = c.double()
+    dec, scale = c64.clone(), torch.zeros_like(c64)
+    start = 0
+    for j in range(world):
+        for size in sizes:
+            chunk = _rows(size, world)[j][0]
+            exact = chunk < 64 or (uncompressed > 0 and (len(size) <= 1 or
+                                                        math.prod(size) < uncompressed))
+            if not exact:
+                for lo in range(start, start + chunk, 1024):
+                    block = slice(lo, min(lo + 1024, start + chunk))
+                    s = c64[block].abs().mean()
+                    dec[block] = torch.where(torch.signbit(c[block]), -s, s)
+                    scale[block] = s
+            start += chunk
+    return dec, scale
+
+
+def _close(got, expected, tol, what):
+    err = (got.double() - expected).abs() - tol
+    assert (err <= 0).all(), f"{what}: off by {float(err.max()):.3g} beyond tolerance"
+
+
+@pytest.mark.parametrize("config", fa.REDUCTIONS)
+def test_compressed_reduce_scatter_matches_the_codec_definition(session, config):
+    """Every call of the sign reduce-scatter, recomputed in float64 from what each rank had before
+    it: what it sends ((1 - b1) g / denominator, clipped), its codec input ``sent / W + residual``
+    (padding's residual zeroed), the residual after, each output shard (the sum over ranks of the
+    decoded shard) and, with the optimizer, the owner's momentum and update; the residual and m
+    carried bit for bit from one step to the next, one call per group and step, an AVG op, the
+    update landing in the sharded gradients and the parameters. Tolerance: 1e-6 of the magnitudes
+    summed (float32 arithmetic and the codec's fixed mean-|c| tree)."""
+    world, outdir = session
+    _, with_opt, uncompressed = config
+    runs = [r[config] for r in load(outdir, "reductions", world)]
+    bound = (1 - B1) / (1 - B2) ** 0.5
+    groups = runs[0]["groups"]
+    for rank, run in enumerate(runs):
+        # one call per group and step, counted at that step
+        assert [(c["train_step"], c["step"]) for c in run["calls"]] == \
+            [(s, s) for s in range(STEPS) for _ in range(groups)], rank
+        assert all(sorted(c["index"] for c in run["calls"][s * groups:(s + 1) * groups]) ==
+                   list(range(groups)) for s in range(STEPS)), rank
+        assert all(c["op"].endswith("AVG") and c["divide"] is None and not c["async"]
+                   for c in run["calls"])
+    calls = {(c["train_step"], c["index"], rank): c for rank, run in enumerate(runs)
+             for c in run["calls"]}
+    for (step, index, rank), call in calls.items():  # the warm-up: FSDP's own, exact
+        if step < fa.WARMUP:
+            assert torch.equal(call["sent"], call["input"]), (config, step, index, rank)
+            assert not call["residual_after"].any(), (config, step, index, rank)
+    compared = 0
+    for step in range(fa.WARMUP, STEPS):
+        for index in range(groups):
+            mine = [calls[(step, index, r)] for r in range(world)]
+            sizes = mine[0]["sizes"]
+            shard = sum(_rows(size, world)[0][0] for size in sizes)
+            padding = torch.ones(world * shard, dtype=torch.bool)
+            start = 0
+            for j in range(world):
+                for size in sizes:
+                    chunk, real = _rows(size, world)[j]
+                    padding[start:start + real] = False
+                    start += chunk
+            decoded, magnitude = [], torch.zeros(world * shard, dtype=torch.float64)
+            for r, call in enumerate(mine):
+                if with_opt:
+                    den = call["denominator"].double()
+                    assert torch.equal(call["denominator"], mine[0]["denominator"])
+                    sent = ((1 - B1) * call["input"].double() / den).clamp(-bound, bound)
+                    _close(call["sent"], sent, 1e-6 * sent.abs(), f"{config} sent {step} {index}")
+                else:
+                    assert torch.equal(call["sent"], call["input"])
+                before = call["residual"].clone()
+                if step == fa.WARMUP:
+                    assert not before.any(), "the residual starts at zero when compressing"
+                else:
+                    assert torch.equal(before, calls[(step - 1, index, r)]["residual_after"])
+                before[padding] = 0.0
+                # the codec's input in float32, as the definition forms it (then exactly signed)
+                c = call["sent"] * torch.tensor(1.0 / world, dtype=torch.float32) + before
+                dec, scale = _sign_reference(c, sizes, world, uncompressed)
+                _close(call["residual_after"], c.double() - dec,
+                       1e-6 * (c.double().abs() + scale), f"{config} residual {step} {index} {r}")
+                decoded.append(dec)
+                magnitude += dec.abs()
+            total = sum(decoded)
+            for j, call in enumerate(mine):
+                own = slice(j * shard, (j + 1) * shard)
+                avg, tol = total[own].clone(), 1e-6 * magnitude[own]
+                if with_opt:
+                    den = call["denominator"][own].double()
+                    avg[padding[own]] = 0.0
+                    m = call["m"].double()
+                    if step > fa.WARMUP:
+                        assert torch.equal(call["m"], calls[(step - 1, index, j)]["m_after"])
+                    moment = (avg + B1 * m / den).clamp(-bound, bound)
+                    tol = tol + 1e-6 * (B1 * m / den).abs()
+                    _close(call["m_after"], moment * den, tol * den, f"{config} m {step} {index}")
+                    avg, tol = moment / (1 - B1 ** (step + 1)), tol / (1 - B1 ** (step + 1))
+                _close(call["output"], avg, tol, f"{config} output {step} {index} rank {j}")
+                compared += 1
+                # the output is the rank's sharded gradients, padding left out (group i: the
+                # i-th Linear's weight and bias)
+                params = [2 * index, 2 * index + 1]
+                at = 0
+                for k, size in zip(params, sizes):
+                    chunk, real = _rows(size, world)[j]
+                    got = runs[j]["steps"][step]["grads"][k].reshape(-1)
+                    assert torch.equal(got, call["output"][at:at + real]), (config, step, k)
+                    at += chunk
+    assert compared == (STEPS - fa.WARMUP) * groups * world
+    if with_opt:  # p -= lr * (update + wd * p)
+        for run in runs:
+            for s in run["steps"]:
+                for p, g, q in zip(s["before"], s["grads"], s["after"]):
+                    e = p.double() * (1 - fa.LR * fa.WD) - fa.LR * g.double()
+                    _close(q, e, 1e-6 * (p.double().abs() + fa.LR * g.double().abs()), "step")

@@ -133,13 +133,17 @@ LOCAL_STUDY = (("fp32", False), ("bf16", False), ("lowrank:4", True),
                ("topk:0.02:values=fp16", True, {"local_steps": 10, **AVERAGING, **SPARSELOCO}),
                ("sign", True, {"local_steps": 10, **AVERAGING, **SPARSELOCO}))
 # Local steps on cpu-recipes' task (the ViT depth model under AdamW): the replicas averaged every
-# H steps (cpu-lm-local's outer step), the outer gradient in int8, at the task's learning rate and
-# at twice it (the language model's best).
+# H steps (cpu-lm-local's outer step), the outer gradient in int8 (or sign), at the task's learning
+# rate and at twice it (the language model's best).
 RECIPES_LOCAL = (("fp32", False),
                  ("int8", True, {"local_steps": 10, "outer_lr": 1.0, "outer_momentum": 0.0}),
                  ("int8", True, {"local_steps": 10, "outer_lr": 1.0, "outer_momentum": 0.0,
                                  "lr": 2 * CPU_DEFAULT.lr}),
-                 ("int8", True, {"local_steps": 50, "outer_lr": 1.0, "outer_momentum": 0.0}))
+                 ("int8", True, {"local_steps": 50, "outer_lr": 1.0, "outer_momentum": 0.0}),
+                 ("int8", True, {"local_steps": 50, "outer_lr": 1.0, "outer_momentum": 0.0,
+                                 "lr": 2 * CPU_DEFAULT.lr}),
+                 ("sign", True, {"local_steps": 10, "outer_lr": 1.0, "outer_momentum": 0.0,
+                                 "lr": 2 * CPU_DEFAULT.lr}))
 # The outer settings and learning rates tried on seed 0 before cpu-lm-local's were chosen: H 1 to
 # 50, DiLoCo's Nesterov outer SGD and plain averaging, outer momentum and learning rate, the inner
 # learning rate (bench/RESULTS.md §3; one seed each).
@@ -214,7 +218,7 @@ SUITES = {
         "cpu-recipes-local",
         CPU_DEFAULT, RECIPES_LOCAL, "cpu",
         "cpu-recipes' task with local steps: every worker its own replica under AdamW, the "
-        "replicas averaged every 10 or 50 steps, the outer gradient in int8"),
+        "replicas averaged every 10 or 50 steps, the outer gradient in int8 or sign"),
     "cpu-lm-local-sweep": Suite(
         "cpu-lm-local-sweep",
         CPU_LM_LOCAL, (("fp32", False),) + OUTER_SWEEP, "cpu",

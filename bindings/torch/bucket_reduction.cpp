@@ -8,6 +8,7 @@
 #include <tuple>
 
 #include "device_codec.hpp"
+#include "float_residual.hpp"
 
 namespace gradzip::torch_ext {
 namespace {
@@ -343,9 +344,20 @@ BucketReduction::BucketReduction(const Codec& codec, BucketLayout layout, int64_
 void BucketReduction::check_float(const char* name, const at::Tensor& t, int64_t numel) const {
   TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, "gradzip: ", name, " must be float32, got ",
                    t.scalar_type());
+  check_placement(name, t, numel);
+}
+
+void BucketReduction::check_placement(const char* name, const at::Tensor& t,
+                                      int64_t numel) const {
   TORCH_CHECK_VALUE(t.is_contiguous() && t.numel() == numel && t.device() == device_, "gradzip: ",
                     name, " must be a contiguous tensor of ", numel, " elements on ", device_,
                     ", got ", t.numel(), " on ", t.device());
+}
+
+void BucketReduction::check_residual(const char* name, const at::Tensor& t, int64_t numel) const {
+  TORCH_CHECK_TYPE(residual_dtype_ok(t), "gradzip: ", name,
+                   " must be float32 or bfloat16 (compact), got ", t.scalar_type());
+  check_placement(name, t, numel);
 }
 
 const Codec& BucketReduction::codec_of(bool exact) const { return piece_codec(codec_, exact); }
@@ -360,17 +372,24 @@ void BucketReduction::append(Messages& out, const std::vector<Piece>& pieces, in
   }
 }
 
-void BucketReduction::encode_all(const Messages& m, const float* in, float* residual,
-                                 uint8_t* wire, float prescale) {
+void BucketReduction::encode_all(const Messages& m, const float* in, const at::Tensor& residual,
+                                 int64_t residual_offset, uint8_t* wire, float prescale) {
+  ResidualSpans spans;
+  if (residual.defined()) {
+    spans.reserve(m.size());
+    for (const Message& x : m) spans.emplace_back(x.at, x.n);
+  }
+  FloatResidual r(residual, residual_offset, std::move(spans));
   std::vector<EncodeItem> items;
   items.reserve(m.size());
   for (const Message& x : m)
-    items.push_back({&codec_of(x.exact), in + x.at, residual ? residual + x.at : nullptr,
+    items.push_back({&codec_of(x.exact), in + x.at, r.data() ? r.data() + x.at : nullptr,
                      static_cast<size_t>(x.n), wire + x.wire, static_cast<size_t>(x.bytes)});
   guarded("compressed_allreduce", [&] {
     encode_batch_on(device_, items, prescale, workspace_.data_ptr(),
                     static_cast<size_t>(workspace_.numel()));
   });
+  r.store();
 }
 
 void BucketReduction::decode_all(const Messages& m, const uint8_t* wire, float* out, bool add,
@@ -436,9 +455,8 @@ void BucketReduction::encode(const at::Tensor& x, const at::Tensor& residual) {
 void BucketReduction::encode(const at::Tensor& x, const at::Tensor& residual, float prescale) {
   const int64_t n = layout_.n;
   check_float("bucket", x, n);
-  if (residual.defined()) check_float("residual", residual, n);
-  encode_all(encode_, x.const_data_ptr<float>(),
-             residual.defined() ? residual.data_ptr<float>() : nullptr,
+  if (residual.defined()) check_residual("residual", residual, n);
+  encode_all(encode_, x.const_data_ptr<float>(), residual, 0,
              (layout_.two_phase ? send : gather_in).data_ptr<uint8_t>(), prescale);
 }
 
@@ -457,13 +475,10 @@ void BucketReduction::reduce_owner(const at::Tensor& owner_residual) {
   TORCH_CHECK(layout_.two_phase && layout_.collective == Collective::allreduce,
               "gradzip: reduce_owner is a phase of the two-phase all-reduce");
   if (owner_residual.defined())
-    check_float("owner residual", owner_residual, layout_.shard_size(rank()));
+    check_residual("owner residual", owner_residual, layout_.shard_size(rank()));
   sum_received(accumulator_);
-  encode_all(owner_, accumulator_.const_data_ptr<float>(),
-             owner_residual.defined()
-                 ? owner_residual.data_ptr<float>() + layout_.offsets[rank()]
-                 : nullptr,
-             gather_in.data_ptr<uint8_t>(), 1.0f);
+  encode_all(owner_, accumulator_.const_data_ptr<float>(), owner_residual,
+             layout_.offsets[rank()], gather_in.data_ptr<uint8_t>(), 1.0f);
 }
 
 void BucketReduction::decode(const at::Tensor& out) {

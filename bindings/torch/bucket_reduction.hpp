@@ -183,14 +183,14 @@ class BucketReduction : public Reduction {
   std::pair<int64_t, int64_t> traffic() const override { return layout_.traffic(rank()); }
   bool same_layout(const Reduction& other) const override;
 
-  // x: this rank's float32 bucket (n, contiguous). residual: n floats, or undefined (no error
-  // feedback). Encodes x * prescale (the all-reduce averages: 1 / W); the residual is in those units.
+  // x: this rank's float32 bucket (n, contiguous). residual: n float32 or bfloat16 elements
+  // (float_residual.hpp), or undefined (no error feedback). Encodes x * prescale (the all-reduce averages: 1 / W); the residual is in those units.
   void encode(const at::Tensor& x, const at::Tensor& residual);
   void encode(const at::Tensor& x, const at::Tensor& residual, float prescale);
   // out: shard_size(rank) floats, its window (this layout's elements of the shard) set to the sum
   // of the W received encodings of them, decoded in rank order.
   void sum_shard(const at::Tensor& out);
-  // owner_residual: shard_size(rank) floats, or undefined.
+  // owner_residual: shard_size(rank) float32 or bfloat16 elements, or undefined.
   void reduce_owner(const at::Tensor& owner_residual);
   // out: n floats (may be x). All-reduce only.
   void decode(const at::Tensor& out);
@@ -215,11 +215,16 @@ class BucketReduction : public Reduction {
   const Codec& codec_of(bool exact) const;
   // Appends `pieces` as consecutive messages from element `at` and wire byte `wire` on.
   void append(Messages& out, const std::vector<Piece>& pieces, int64_t at, int64_t wire) const;
-  void encode_all(const Messages& m, const float* in, float* residual, uint8_t* wire,
-                  float prescale);
+  // residual: undefined, float32 or bfloat16 (float_residual.hpp); message x's residual is its
+  // elements [residual_offset + x.at, + x.n).
+  void encode_all(const Messages& m, const float* in, const at::Tensor& residual,
+                  int64_t residual_offset, uint8_t* wire, float prescale);
   void decode_all(const Messages& m, const uint8_t* wire, float* out, bool add,
                   int64_t status_index);
   void check_float(const char* name, const at::Tensor& t, int64_t numel) const;
+  // float32 or bfloat16 (a compact residual), contiguous, numel elements on this device.
+  void check_residual(const char* name, const at::Tensor& t, int64_t numel) const;
+  void check_placement(const char* name, const at::Tensor& t, int64_t numel) const;
   // window: this rank's window of its shard, set to the sum of the W received encodings.
   void sum_received(const at::Tensor& window);
 

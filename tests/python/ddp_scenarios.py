@@ -136,7 +136,8 @@ def train(rank, world, outdir, configs):
                                  warmup_steps=config_warmup(cfg),
                                  optimizer=None if cfg.get("optimizer") is None else opt,
                                  cast_sum=cfg.get("cast_sum"),
-                                 uncompressed_numel=cfg.get("uncompressed_numel", 0))
+                                 uncompressed_numel=cfg.get("uncompressed_numel", 0),
+                                 residual_dtype=cfg.get("residual_dtype", torch.float32))
         records = []
         ddp.register_comm_hook(state, recording_hook(records))
         stats = []
@@ -146,6 +147,7 @@ def train(rank, world, outdir, configs):
             opt.step()
             stats.append(state.stats)
         torch.save({"records": records, "stats": stats,
+                    "residuals": state.state_dict()["residuals"],
                     "params": [p.detach().clone() for p in model.parameters()],
                     "grads": [None if p.grad is None else p.grad.clone() for p in model.parameters()]},
                    os.path.join(outdir, f"{name}_{rank}.pt"))
@@ -250,6 +252,12 @@ def fp16_vs_pytorch(rank, world, outdir):
 def overflow(rank, world, outdir, codecs):
     for codec in codecs:
         overflow_one(rank, world, outdir, codec)
+
+
+def overflow_compact(rank, world, outdir, codecs):
+    """overflow with the compact residual (bfloat16; the guard's backup is bfloat16 too)."""
+    for codec in codecs:
+        overflow_one(rank, world, outdir, codec, tag="_compact", residual_dtype=torch.bfloat16)
 
 
 def checkpoint_resume(rank, world, outdir, codecs):

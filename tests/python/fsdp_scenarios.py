@@ -71,6 +71,14 @@ def make_optimizer(name, params):
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
 
 
+def compress(model, codec):
+    """gradzip.fsdp.compress for a scenario's codec name: "SPEC+compact" keeps the residuals in
+    bfloat16 (residual_dtype)."""
+    spec, _, compact = codec.partition("+")
+    return gradzip.fsdp.compress(model, spec, min_compress_numel=0,
+                                 residual_dtype=torch.bfloat16 if compact else torch.float32)
+
+
 def _save(outdir, name, rank, obj):
     torch.save(obj, os.path.join(outdir, f"{name}_{rank}.pt"))
 
@@ -124,7 +132,7 @@ def train(rank, world, outdir, codecs, steps=4):
         for opt_name in ("sgd", "adamw"):
             model = make_model()
             if codec is not None:
-                gradzip.fsdp.compress(model, codec, min_compress_numel=0)
+                compress(model, codec)
             opt = make_optimizer(opt_name, model.parameters())
             losses = []
             for step in range(steps):
@@ -143,7 +151,7 @@ def nonfinite(rank, world, outdir, codecs):
     out = {}
     for codec in codecs:
         model = make_model()
-        state = gradzip.fsdp.compress(model, codec, min_compress_numel=0)
+        state = compress(model, codec)
         log = []
         for step in range(3):
             scale = float("inf") if (step == 1 and rank == 0) else 1.0
@@ -172,7 +180,7 @@ def resume(rank, world, outdir, codecs, steps=4, at=2):
     for codec in codecs:
         def build():
             model = make_model()
-            state = gradzip.fsdp.compress(model, codec, min_compress_numel=0)
+            state = compress(model, codec)
             return model, state, make_optimizer("adamw", model.parameters())
 
         def run(model, opt, first, last):

@@ -22,7 +22,8 @@ def load(outdir, name, world):
 
 
 def check_replicas_and_reference(runs, codec, world, min_numel=32, warmup=0, optimizer=None,
-                                 cast_sum=None, uncompressed_numel=0):
+                                 cast_sum=None, uncompressed_numel=0,
+                                 residual_dtype=torch.float32):
     """Replicas bitwise identical; every bucket's reduced value equals SimulatedWorkers fed with
     the ranks' local bucket gradients (and, with a gradzip.optim ``optimizer``, computing the same
     updates). Uncompressed steps are the backend's fp32 all-reduce, whose summation order for
@@ -40,7 +41,8 @@ def check_replicas_and_reference(runs, codec, world, min_numel=32, warmup=0, opt
     assert len(recs[0]) > 0 and all(len(x) == len(recs[0]) for x in recs)
     opt = None if optimizer is None else sc.make_optimizer(optimizer, [torch.nn.Parameter(torch.zeros(1))])
     sim = SimulatedWorkers(codec, world, min_compress_numel=min_numel, warmup_steps=warmup,
-                           optimizer=opt, cast_sum=cast_sum, uncompressed_numel=uncompressed_numel)
+                           optimizer=opt, cast_sum=cast_sum, uncompressed_numel=uncompressed_numel,
+                           residual_dtype=residual_dtype)
     state_from_averages = opt is not None and opt.direction.needs_warmup and world > 2
     layouts = set()
     for k, (key, _, out0, params) in enumerate(recs[0]):
@@ -89,6 +91,11 @@ TRAIN += [(f"{codec.split(':')[0]}_fp32sum", {"codec": codec, "cast_sum": "fp32"
 TRAIN += [(f"{codec.split(':')[0]}_uncompressed", {"codec": codec, "uncompressed_numel": 300,
                                                     "steps": 4})
           for codec in ("int8", "sign:block=64")]
+# the compact residual (bfloat16): the worker's, and top-k's owner residual in its two-phase sum
+TRAIN += [(f"{codec.split(':')[0]}_compact", {"codec": codec, "residual_dtype": torch.bfloat16,
+                                               "steps": 4, **extra})
+          for codec, extra in (("int8", {}), ("sign:block=64", {}),
+                               ("topk:0.1", {"cast_sum": "fp32"}))]
 DIRECTION = [("adamw_sign", {"codec": "sign:block=64", "optimizer": "adamw", "steps": 4}),
              ("sgd_topk", {"codec": "topk:0.1", "optimizer": "sgd", "steps": 4}),
              ("dgc_topk", {"codec": "topk:0.1:values=fp16", "optimizer": "dgc", "steps": 4}),
@@ -109,6 +116,7 @@ def session(request, tmp_path_factory):
     world = request.param
     outdir = tmp_path_factory.mktemp(f"ddp{world}")
     plan = [("train", (TRAIN + UNUSED + DIRECTION,)), ("fp16_vs_pytorch", ()), ("overflow", (OVERFLOW,)),
+            ("overflow_compact", (OVERFLOW,)),
             ("checkpoint_resume", (CKPT,)), ("pickle_resume", (PICKLE,)),
             ("mismatched", (MISMATCH[world],))]  # last: it leaves a DDP mid-backward
     run_ranks(sc.session, world, str(outdir), plan, timeout=240)
@@ -121,7 +129,11 @@ def test_replicas_identical_and_equal_to_simulation_across_rebuild(session, name
     runs = load(outdir, name, world)
     layouts = check_replicas_and_reference(runs, cfg["codec"], world, warmup=cfg.get("warmup", 0),
                                            cast_sum=cfg.get("cast_sum"),
-                                           uncompressed_numel=cfg.get("uncompressed_numel", 0))
+                                           uncompressed_numel=cfg.get("uncompressed_numel", 0),
+                                           residual_dtype=cfg.get("residual_dtype", torch.float32))
+    if "residual_dtype" in cfg:
+        kept = [v["residual"] for run in runs for v in run["residuals"].values()]
+        assert kept and all(t.dtype == cfg["residual_dtype"] for t in kept), name
     # iterations 1-3 crossed DDP's bucket rebuild: one bucket first, several afterwards
     assert len({index for index, _ in layouts}) > 1, name
     stats = [run["stats"] for run in runs]
@@ -180,10 +192,11 @@ def test_fp16_agrees_with_pytorch_fp16_compress_hook(session):
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("compact", [False, True], ids=["fp32_residual", "compact"])
 @pytest.mark.parametrize("codec", OVERFLOW)
-def test_inf_gradient_reaches_gradscaler_and_residuals_survive(session, codec):
+def test_inf_gradient_reaches_gradscaler_and_residuals_survive(session, codec, compact):
     world, outdir = session
-    runs = load(outdir, f"overflow_{codec}", world)
+    runs = load(outdir, f"overflow{'_compact' if compact else ''}_{codec}", world)
     for r in range(world):
         log = runs[r]["log"]
         bad = log[2]

@@ -23,9 +23,10 @@ STEP0 = ["fp32", "bf16", "fp16", "int8", "int8:block=64", "sign:block=64", "topk
          LOWRANK]
 # relative error of a codec's step-0 sharded gradient against uncompressed FSDP2, per tensor
 BOUND = {"fp32": 1e-6, "topk:1": 1e-6, "bf16": 2e-2, "fp16": 2e-2, "int8": 5e-2, "int8:block=64": 5e-2}
-TRAIN = ["bf16", "int8", "sign:block=64", "topk:0.1", LOWRANK]
-NONFINITE = ["bf16", "int8", "sign:block=64", "topk:0.1", LOWRANK]
-RESUME = ["int8", "topk:0.1", LOWRANK]
+# "+compact": the residuals in bfloat16 (residual_dtype)
+TRAIN = ["bf16", "int8", "sign:block=64", "topk:0.1", LOWRANK, "int8+compact", "topk:0.1+compact"]
+NONFINITE = ["bf16", "int8", "sign:block=64", "topk:0.1", LOWRANK, "sign:block=64+compact"]
+RESUME = ["int8", "topk:0.1", LOWRANK, "int8+compact"]
 LOWRANK_STEPS = 3
 MISMATCH = ["int8", "sign"]
 PARAM = [None, "bf16", "int8:block=64"]

@@ -235,17 +235,18 @@ def make_grads(world, layout, seed, ties=False):
 
 
 def gz_residuals(sim, n):
-    """Each worker's residual of bucket 0 (n elements); zeros where it keeps none (fp32, lossless,
-    keeps no residual)."""
+    """Each worker's residual of bucket 0 (n elements, float64 from its float32 or bfloat16);
+    zeros where it keeps none (fp32, lossless, keeps no residual)."""
     return [w[0]["residual"].to(F64) if w else torch.zeros(n, dtype=F64)
             for w in sim.state_dict()["workers"]]
 
 
-def run_gradzip(spec, world, steps):
+def run_gradzip(spec, world, steps, residual_dtype=torch.float32):
     """steps: list of (grads, numels); returns [(output, residuals after the step)]."""
     # the casts' two-phase fp32 sum; top-k's all-gather (its two-phase form: test_topk_two_phase.py)
     cast_sum = "wire" if spec.startswith("topk") else "fp32"
-    sim = SimulatedWorkers(spec, world, min_compress_numel=0, cast_sum=cast_sum)
+    sim = SimulatedWorkers(spec, world, min_compress_numel=0, cast_sum=cast_sum,
+                           residual_dtype=residual_dtype)
     out = []
     for grads, numels in steps:
         o = sim.reduce(grads, numels=numels).to(F64)
@@ -440,6 +441,33 @@ def test_bitwise_against_fp32_mirror(codec, world):
         assert bad == 0, f"{codec} W={world} step {step}: {bad} output elements differ"
         for r in range(world):
             bad = (res[r] != ref["res"][r]).sum().item()
+            assert bad == 0, f"{codec} W={world} step {step}: rank {r}: {bad} residuals differ"
+
+
+def to_bf16(t):
+    """float32 -> bfloat16, round to nearest even (torch's cast), back to float64 exactly."""
+    return t.to(torch.float32).to(torch.bfloat16).to(F64)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("codec", [c for c in CODECS if c != "fp32"])
+def test_compact_residual_bitwise_against_fp32_mirror(codec, world):
+    """residual_dtype=bfloat16: the residual kept is the fp32 residual rounded to bfloat16 after
+    every update, and the next step's c adds it back exactly; outputs and residuals bit for bit."""
+    layout, numels = "a", NUMELS["a"]
+    g1, g2 = make_grads(world, layout, 22), make_grads(world, layout, 23)
+    (o1, res1), (o2, res2) = run_gradzip(codec, world, [(g1, numels), (g2, numels)],
+                                         residual_dtype=torch.bfloat16)
+    ref1 = reference(codec, g1, zeros_like_all(g1), numels, mirror=True)
+    kept1 = [to_bf16(e) for e in ref1["res"]]
+    ref2 = reference(codec, g2, [e.to(torch.float32) for e in kept1], numels, mirror=True)
+    kept2 = [to_bf16(e) for e in ref2["res"]]
+    assert any((k != e).any() for k, e in zip(kept1, ref1["res"])), "no residual was rounded"
+    for step, (o, res, ref, kept) in enumerate([(o1, res1, ref1, kept1), (o2, res2, ref2, kept2)], 1):
+        bad = (o != ref["out"]).sum().item()
+        assert bad == 0, f"{codec} W={world} step {step}: {bad} output elements differ"
+        for r in range(world):
+            bad = (res[r] != kept[r]).sum().item()
             assert bad == 0, f"{codec} W={world} step {step}: rank {r}: {bad} residuals differ"
 
 

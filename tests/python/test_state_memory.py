@@ -43,6 +43,14 @@ SETTINGS = {
     "`CompressedSGD`, top-k": ("topk:0.01", dict(optimizer=lambda: CompressedSGD(params()))),
     "`lowrank:R`": ("lowrank:2", {}),
     "`gradzip.fsdp` with `FrozenVarianceAdamW`": "fsdp",
+    "compact residual (`residual_dtype=torch.bfloat16`)": [
+        (codec, dict(residual_dtype=torch.bfloat16))
+        for codec in ("fp16", "bf16", "int8", "sign", "topk:0.01")],
+    "compact residual, top-k two-phase": (
+        "topk:0.01", dict(cast_sum="fp32", residual_dtype=torch.bfloat16)),
+    "compact residual, `FrozenVarianceAdamW`, sign": (
+        "sign", dict(optimizer=lambda: FrozenVarianceAdamW(params()), warmup_steps=1,
+                     residual_dtype=torch.bfloat16)),
 }
 FSDP_WORLD = 2  # ROWS is a multiple: FSDP pads nothing
 

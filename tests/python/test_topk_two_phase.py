@@ -97,10 +97,15 @@ def owner_residual_of(sim, world, n):
 @pytest.mark.parametrize("spec,ratio,values", [("topk:0.1", 0.1, "fp32"),
                                                ("topk:0.03:values=fp16", 0.03, "fp16"),
                                                ("topk:0.04:values=int8", 0.04, "int8")])
-def test_against_float64_reference(spec, ratio, values, world):
+@pytest.mark.parametrize("residual_dtype", [torch.float32, torch.bfloat16])
+def test_against_float64_reference(spec, ratio, values, world, residual_dtype):
+    """residual_dtype=bfloat16 (compact): both residuals kept rounded to bfloat16 after every
+    update."""
     n = 4099 + world  # odd shard sizes
     numels = [1500, 37, n - 1537]
-    sim = SimulatedWorkers(spec, world, min_compress_numel=0, cast_sum="fp32")
+    sim = SimulatedWorkers(spec, world, min_compress_numel=0, cast_sum="fp32",
+                           residual_dtype=residual_dtype)
+    kept = lambda t: t.to(torch.float32).to(residual_dtype).to(F64)  # noqa: E731
     assert sim.config.plan.two_phase
     gen = torch.Generator().manual_seed(7 * world)
     res = [torch.zeros(n) for _ in range(world)]
@@ -110,6 +115,7 @@ def test_against_float64_reference(spec, ratio, values, world):
         grads = [torch.randn(n, generator=gen) * scales for _ in range(world)]
         out = sim.reduce(grads, numels=numels).to(F64)
         want, want_res, want_owner = reference(ratio, values, grads, res, owner)
+        want_res, want_owner = [kept(e) for e in want_res], kept(want_owner)
         assert torch.equal(out, want), f"step {step}: {(out != want).sum()} outputs differ"
         got_res = [w[0]["residual"].to(F64) for w in sim.state_dict()["workers"]]
         for r in range(world):

@@ -70,6 +70,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="clip gradients at norm C in the runs that do not set their own: "
                         "clip_grad_norm_ on the averaged gradient, or each worker's gradient in "
                         "the reduction for gradzip.optim's optimizers (run names get +gclipC)")
+    p.add_argument("--residual-dtype", choices=("fp32", "bf16"),
+                   help="the error-feedback residuals' dtype in the runs that do not set their "
+                        "own: bf16 is the compact state, half the bytes (run names get +resbf16)")
     p.add_argument("--ddp", action="store_const", const="ddp", dest="strategy",
                    help="the same as --strategy ddp")
     p.add_argument("--threads", type=int, default=1,
@@ -84,7 +87,7 @@ def overrides(args) -> dict:
          "weights": args.weights, "seed": args.seed, "eval_every": args.eval_every,
          "param_codec": args.param_codec, "uncompressed_numel": args.uncompressed_numel,
          "optimizer": args.optimizer, "compress_warmup": args.compress_warmup,
-         "max_grad_norm": args.max_grad_norm}
+         "max_grad_norm": args.max_grad_norm, "residual_dtype": args.residual_dtype}
     return {k: v for k, v in o.items() if v is not None}
 
 
@@ -224,6 +227,9 @@ def _main(argv=None) -> int:
     if args.strategy == "fsdp" and any(c.cast_sum for c in configs):
         raise SystemExit("a cast_sum (@fp32 runs) applies to the all-reduce; FSDP's reduce-scatter "
                          "always sums in fp32")
+    if any(c.local_steps and c.residual_dtype != "fp32" for c in configs):
+        raise SystemExit("the compact residual (+resbf16) applies to the per-step reduction; "
+                         "local-steps runs (+H) keep their outer residual in fp32")
     if args.strategy != "simulated" and any(c.local_steps for c in configs):
         raise SystemExit("local-steps runs (+H) run with simulated workers only; "
                          "gradzip.local_steps.LocalSteps is the multi-rank outer loop")

@@ -61,6 +61,10 @@ def fp32_step_bytes(numels: list[int], workers: int, bucket_cap_mb: float = 25.0
                for a, b in bucket_bounds(numels, int(bucket_cap_mb * 2**20)))
 
 
+# RunConfig.residual_dtype's names of CompressionState's residual_dtype
+RESIDUAL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
 class Reducer:
     """Averages W flat fp32 gradients bucket by bucket; keeps the last step's traffic.
 
@@ -70,14 +74,16 @@ class Reducer:
     ``uncompressed_numel`` (as CompressionState's) need. ``warmup_steps``: the first steps are
     averaged uncompressed, or in ``warmup_codec`` (and counted as such in the bytes).
     ``max_grad_norm``: with ``optimizer``, each worker's gradient clipped (SimulatedWorkers').
-    ``cast_sum``: SimulatedWorkers' (None: its default)."""
+    ``cast_sum``: SimulatedWorkers' (None: its default). ``residual_dtype``: "fp32", or "bf16"
+    (the compact residual)."""
 
     def __init__(self, codec: str, workers: int, error_feedback: bool = True,
                  param_numels: list[int] | None = None, bucket_cap_mb: float = 25.0,
                  first_bucket_bytes: int = FIRST_BUCKET_BYTES, warmup_steps: int = 0,
                  optimizer=None, param_shapes: list[tuple] | None = None,
                  warmup_codec: str | None = None, uncompressed_numel: int = 0,
-                 max_grad_norm: float | None = None, cast_sum: str | None = None):
+                 max_grad_norm: float | None = None, cast_sum: str | None = None,
+                 residual_dtype: str = "fp32"):
         from gradzip.simulation import SimulatedWorkers  # compiled extension: imported only here
 
         self.codec = canonical_codec(codec)
@@ -94,7 +100,8 @@ class Reducer:
                                      warmup_steps=warmup_steps,
                                      optimizer=optimizer, warmup_codec=warmup_codec,
                                      uncompressed_numel=uncompressed_numel,
-                                     max_grad_norm=max_grad_norm, cast_sum=cast_sum)
+                                     max_grad_norm=max_grad_norm, cast_sum=cast_sum,
+                                     residual_dtype=RESIDUAL_DTYPES[residual_dtype])
         self.bytes_per_step = 0  # bytes one worker sent in the last step
         self.raw_bytes_per_step = 0  # what an uncompressed fp32 ring all-reduce would send
 

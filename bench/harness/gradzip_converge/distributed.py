@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .compression import baseline_or_codec
+from .compression import RESIDUAL_DTYPES, baseline_or_codec
 from .output import Progress, clear_results, summarise, write_suite_json
 from .tasks import task_of
 from .training import (RunConfig, RunFiles, batch_indices, clip_averaged, compress_warmup_steps,
@@ -61,7 +61,8 @@ class _DDP:
             warmup_steps=compress_warmup_steps(cfg) if hook_optimizer(self.opt) else
             cfg.compress_warmup or 0, optimizer=hook_optimizer(self.opt),
             warmup_codec=cfg.warmup_codec, uncompressed_numel=cfg.uncompressed_numel,
-            max_grad_norm=reduction_clip(cfg, self.opt), cast_sum=cfg.cast_sum)
+            max_grad_norm=reduction_clip(cfg, self.opt), cast_sum=cfg.cast_sum,
+            residual_dtype=RESIDUAL_DTYPES[cfg.residual_dtype])
         self.forward.register_comm_hook(self.state, compress_hook)
 
 
@@ -93,7 +94,8 @@ class _FSDP:
             self.model, cfg.codec, **baseline_or_codec(cfg.codec, cfg.error_feedback),
             warmup_steps=compress_warmup_steps(cfg) if hook_optimizer(self.opt) else
             cfg.compress_warmup or 0, optimizer=hook_optimizer(self.opt),
-            param_codec=cfg.param_codec, uncompressed_numel=cfg.uncompressed_numel)
+            param_codec=cfg.param_codec, uncompressed_numel=cfg.uncompressed_numel,
+            residual_dtype=RESIDUAL_DTYPES[cfg.residual_dtype])
 
 
 STRATEGIES = {"ddp": _DDP, "fsdp": _FSDP}

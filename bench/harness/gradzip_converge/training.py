@@ -66,6 +66,8 @@ class RunConfig:
     cast_sum: str | None = None  # CompressionState's (e.g. "fp32": top-k's two-phase exchange);
     # None: its default
     uncompressed_numel: int = 0  # int8/sign: 1-D tensors and those under N elements sent in fp32
+    residual_dtype: str = "fp32"  # the error-feedback residuals' dtype: "bf16" is the compact
+    # state (half the bytes, each update rounded to bfloat16)
     max_grad_norm: float | None = None  # gradient clipping where the loop can clip: torch's
     # clip_grad_norm_ on the averaged gradient, or each worker's in the reduction for gradzip.optim's
     local_steps: int = 0  # H > 0: every worker trains its own replica with torch's optimizer and
@@ -99,6 +101,7 @@ class RunConfig:
         name += f"+w{self.compress_warmup}" if self.compress_warmup is not None else ""
         name += f":{canonical_codec(self.warmup_codec)}" if self.warmup_codec else ""
         name += f"+u{self.uncompressed_numel}" if self.uncompressed_numel else ""
+        name += f"+res{self.residual_dtype}" if self.residual_dtype != "fp32" else ""
         name += f"+gclip{self.max_grad_norm:g}" if self.max_grad_norm is not None else ""
         name += f"@{self.cast_sum}" if self.cast_sum else ""  # the cost model's spelling
         # local steps: the inner learning rate too (replicas on 1/W of the batch want another)
@@ -384,7 +387,8 @@ def train_simulated(cfg: RunConfig, out: Path, data: tuple[dict, dict], device: 
                       bucket_cap_mb=cfg.bucket_cap_mb, warmup_steps=compress_warmup_steps(cfg),
                       optimizer=hook_optimizer(opt), warmup_codec=cfg.warmup_codec,
                       uncompressed_numel=cfg.uncompressed_numel,
-                      max_grad_norm=reduction_clip(cfg, opt), cast_sum=cfg.cast_sum)
+                      max_grad_norm=reduction_clip(cfg, opt), cast_sum=cfg.cast_sum,
+                      residual_dtype=cfg.residual_dtype)
 
     def restore(state):
         load_trainer(state, model, opt, sched)

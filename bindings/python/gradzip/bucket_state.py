@@ -156,13 +156,16 @@ class StateStore:
                 for t in (st.residual, st.owner_residual) if t is not None]
 
     def get(self, index: int, layout: Layout, residual: bool, owner: Optional[Tuple[int, int]],
-            moments: int, device, q_rank: int = 0) -> BucketState:
+            moments: int, device, q_rank: int = 0,
+            residual_dtype: torch.dtype = torch.float32) -> BucketState:
         """``owner``: (start, size) of this rank's shard if it keeps an owner residual, else None.
-        ``q_rank``: R of lowrank:R (the bucket keeps Q factors), else 0."""
+        ``q_rank``: R of lowrank:R (the bucket keeps Q factors), else 0. ``residual_dtype``: the
+        residuals' (float32, or bfloat16 compact); a stored residual of the other dtype (a
+        checkpoint saved with the other setting) is converted."""
         n = layout[0]
         st = self.buckets.get(index)
         if st is None or st.layout != layout:
-            st = self._assemble(layout, residual, owner, moments, device, q_rank)
+            st = self._assemble(layout, residual, owner, moments, device, q_rank, residual_dtype)
             old = self.buckets.pop(index, None)
             if old is not None:
                 self._retired.append(old)
@@ -181,13 +184,18 @@ class StateStore:
             raise ValueError(f"gradzip: bucket {index}: the stored state does not fit this "
                              "error-feedback/optimizer setting (checkpoint from another "
                              "configuration?)")
+        if st.residual is not None and st.residual.dtype != residual_dtype:
+            st.residual = st.residual.to(residual_dtype)
+        if st.owner_residual is not None and st.owner_residual.dtype != residual_dtype:
+            st.owner_residual = st.owner_residual.to(residual_dtype)
         return st
 
-    def _assemble(self, layout, residual, owner, moments, device, q_rank) -> BucketState:
+    def _assemble(self, layout, residual, owner, moments, device, q_rank,
+                  residual_dtype=torch.float32) -> BucketState:
         n = layout[0]
-        zeros = lambda m: torch.zeros(m, dtype=torch.float32, device=device)  # noqa: E731
-        st = BucketState(layout, zeros(n) if residual else None,
-                         None if owner is None else zeros(owner[1]),
+        zeros = lambda m, dtype=torch.float32: torch.zeros(m, dtype=dtype, device=device)  # noqa: E731
+        st = BucketState(layout, zeros(n, residual_dtype) if residual else None,
+                         None if owner is None else zeros(owner[1], residual_dtype),
                          0 if owner is None else owner[0], [zeros(n) for _ in range(moments)],
                          q_rank=q_rank)
         if q_rank:

@@ -35,7 +35,8 @@ class CompressionState(ReducerState):
 
     ``codec``: a codec spec (``"int8"``, ``"sign:block=1024"``, ``"topk:0.01"``, ``"bf16"``,
     ``"lowrank:4"``); the other arguments (error feedback, warm-up, small buckets, the non-finite
-    guard, a ``gradzip.optim`` optimizer, where casts are summed, exact tensors, clipping) are
+    guard, a ``gradzip.optim`` optimizer, where casts are summed, exact tensors, clipping, the
+    residuals' dtype: ``torch.bfloat16`` halves their memory) are
     described in docs/guide.md, "CompressionState arguments". The first hook call checks that
     every rank uses the same configuration (a ``ValueError`` naming the difference, not a hang).
     ``stats`` holds the last step's traffic; ``state_dict()`` / ``load_state_dict()`` carry the
@@ -48,10 +49,12 @@ class CompressionState(ReducerState):
                  warmup_steps: int = 0, min_compress_numel: int = MIN_COMPRESS_NUMEL,
                  guard_nonfinite: bool = True, optimizer=None, cast_sum: Optional[str] = None,
                  warmup_codec: Optional[str] = None, uncompressed_numel: int = 0,
-                 max_grad_norm: Optional[float] = None):
+                 max_grad_norm: Optional[float] = None,
+                 residual_dtype: torch.dtype = torch.float32):
         super().__init__(ReducerConfig(codec, error_feedback, warmup_steps, min_compress_numel,
                                        guard_nonfinite, optimizer, cast_sum, warmup_codec,
-                                       uncompressed_numel, max_grad_norm))
+                                       uncompressed_numel, max_grad_norm,
+                                       residual_dtype=residual_dtype))
         self.process_group = process_group
         self._ef = StateStore()
         self._keys = ParameterKeys()

@@ -207,13 +207,15 @@ class FSDPCompressionState(ReducerState):
     def __init__(self, codec: str, error_feedback: bool = True, warmup_steps: int = 0,
                  min_compress_numel: int = MIN_COMPRESS_NUMEL, guard_nonfinite: bool = True,
                  param_codec: Optional[str] = None, uncompressed_numel: int = 0,
-                 optimizer=None, denominator_dtype: str = "bf16"):
+                 optimizer=None, denominator_dtype: str = "bf16",
+                 residual_dtype: torch.dtype = torch.float32):
         _check_optimizer(optimizer, codec, denominator_dtype)
         # the settings, their checks and the warm-up / small-group policy are the DDP hook's; the
         # reduce-scatter sums every codec in fp32
         super().__init__(ReducerConfig(codec, error_feedback, warmup_steps, min_compress_numel,
                                  guard_nonfinite, optimizer=optimizer, cast_sum="fp32",
-                                 uncompressed_numel=uncompressed_numel, reduce_scatter=True))
+                                 uncompressed_numel=uncompressed_numel, reduce_scatter=True,
+                                 residual_dtype=residual_dtype))
         # the dtype of the frozen denominator each rank keeps of every whole parameter group
         self.denominator_dtype = DENOMINATOR_DTYPES[denominator_dtype]
         self.param_codec = None if param_codec is None else _param_codec(param_codec)
@@ -313,7 +315,7 @@ class FSDPCompressionState(ReducerState):
             residual = q = None
             if self.config.keeps_residual:  # lowrank's: of the unsharded gradient, no padding
                 n = layout.bucket[0] if q_rank else world * layout.shard
-                residual = torch.zeros(n, dtype=torch.float32, device=device)
+                residual = torch.zeros(n, dtype=self.config.residual_dtype, device=device)
             if q_rank:
                 q = initial_qs(layout.bucket, q_rank, device)
             adam = None
@@ -499,7 +501,8 @@ def compress(root: torch.nn.Module, codec: str, error_feedback: bool = True,
              warmup_steps: int = 0, min_compress_numel: int = MIN_COMPRESS_NUMEL,
              guard_nonfinite: bool = True, param_codec: Optional[str] = None,
              uncompressed_numel: int = 0, optimizer=None,
-             denominator_dtype: str = "bf16") -> FSDPCompressionState:
+             denominator_dtype: str = "bf16",
+             residual_dtype: torch.dtype = torch.float32) -> FSDPCompressionState:
     """Installs a compressed reduce-scatter on every FSDP module under ``root`` (already wrapped
     with ``fully_shard``, ``root`` included) and returns their shared state.
 
@@ -526,12 +529,14 @@ def compress(root: torch.nn.Module, codec: str, error_feedback: bool = True,
             sharded, in ``state_dict()``.
         denominator_dtype: ``"bf16"`` or ``"fp32"``: the frozen denominator of every whole
             parameter group, which each rank keeps from the freeze on (2 or 4 bytes per parameter).
+        residual_dtype: ``torch.float32``, or ``torch.bfloat16``: the compact residual, half the
+            bytes (each update rounded to bfloat16; the guard's backup is then bfloat16 too).
 
     ``"lowrank:R"`` (the DDP hook's PowerSGD class) needs every parameter sharded on dim 0.
     """
     state = FSDPCompressionState(codec, error_feedback, warmup_steps, min_compress_numel,
                                  guard_nonfinite, param_codec, uncompressed_numel, optimizer,
-                                 denominator_dtype)
+                                 denominator_dtype, residual_dtype)
     names = {id(p): n for n, p in root.named_parameters(remove_duplicate=False)}
     modules = [m for m in root.modules() if isinstance(m, FSDPModule)]
     if not modules:

@@ -25,14 +25,25 @@ logger = logging.getLogger(__name__)
 STATE_VERSION = 3
 
 
+def checked_residual_dtype(dtype) -> torch.dtype:
+    """float32, or bfloat16: the compact residual (half the bytes; each update rounded to it)."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError("gradzip: residual_dtype must be torch.float32 or torch.bfloat16 (the "
+                         f"compact residual), got {dtype!r}")
+    return dtype
+
+
 class ReducerConfig:
     """What every rank must agree on, and the per-step policy shared by the hook, the
     simulation and gradzip.fsdp: warm-up steps and small buckets go uncompressed."""
 
+    residual_dtype = torch.float32  # what a configuration pickled before the option had
+
     def __init__(self, codec: str, error_feedback: bool, warmup_steps: int, min_compress_numel: int,
                  guard_nonfinite: bool, optimizer=None, cast_sum: Optional[str] = None,
                  warmup_codec: Optional[str] = None, uncompressed_numel: int = 0,
-                 max_grad_norm: Optional[float] = None, reduce_scatter: bool = False):
+                 max_grad_norm: Optional[float] = None, reduce_scatter: bool = False,
+                 residual_dtype: torch.dtype = torch.float32):
         # FSDP's reduce-scatter: each rank keeps its shard of the sum, no owner re-encodes it
         self.reduce_scatter = bool(reduce_scatter)
         self.direction = None
@@ -55,6 +66,10 @@ class ReducerConfig:
         # zero; so fp32 costs neither a residual's memory nor its passes.
         kind = CodecPlan.parse(codec).kind
         self.keeps_residual = self.error_feedback and kind not in wire.LOSSLESS_KINDS
+        self.residual_dtype = checked_residual_dtype(residual_dtype)
+        if self.residual_dtype != torch.float32 and CodecPlan.parse(codec).lowrank_rank:
+            raise ValueError("gradzip: residual_dtype=torch.bfloat16 keeps the codecs' residuals "
+                             "(fp16, bf16, int8, sign, top-k); lowrank's stays float32")
         # The owner residual exists only where one rank forms the sum in fp32 (the two-phase path):
         # by default the casts' sum under an optimizer direction, whose owner residual needs it;
         # top-k all-gathers unless asked for the two-phase exchange (cast_sum="fp32").
@@ -117,6 +132,7 @@ class ReducerConfig:
                 f"min_compress_numel={self.min_compress_numel} "
                 f"uncompressed_numel={self.uncompressed_numel} "
                 f"guard_nonfinite={int(self.guard_nonfinite)} world={world} "
+                f"residual_dtype={str(self.residual_dtype).replace('torch.', '')} "
                 f"max_grad_norm={self.max_grad_norm!r} direction="
                 f"{'none' if self.direction is None else self.direction.describe()}")
 
@@ -197,7 +213,8 @@ class ReducerConfig:
         if self.wants_owner_residual and self.plan.two_phase:
             bounds = shard_bounds(layout[0], world)
             owner = (bounds[rank], bounds[rank + 1] - bounds[rank])
-        return store.get(index, layout, self.keeps_residual, owner, moments, device, q_rank)
+        return store.get(index, layout, self.keeps_residual, owner, moments, device, q_rank,
+                         self.residual_dtype)
 
     def apply_direction(self, x: torch.Tensor, st, compressed: bool, world: int,
                         numels: List[int], exact: List[bool]) -> Optional[torch.Tensor]:

@@ -49,12 +49,14 @@ class SimulatedWorkers(Reporting):
                  warmup_steps: int = 0, min_compress_numel: int = MIN_COMPRESS_NUMEL,
                  guard_nonfinite: bool = True, optimizer=None, cast_sum: Optional[str] = None,
                  warmup_codec: Optional[str] = None, uncompressed_numel: int = 0,
-                 max_grad_norm: Optional[float] = None):
+                 max_grad_norm: Optional[float] = None,
+                 residual_dtype: torch.dtype = torch.float32):
         if int(world_size) < 1:
             raise ValueError(f"gradzip: world_size must be >= 1, got {world_size}")
         self.config = ReducerConfig(codec, error_feedback, warmup_steps, min_compress_numel,
                                     guard_nonfinite, optimizer, cast_sum, warmup_codec,
-                                    uncompressed_numel, max_grad_norm)
+                                    uncompressed_numel, max_grad_norm,
+                                    residual_dtype=residual_dtype)
         self.world_size = int(world_size)
         self.step = 0
         self._ef = [StateStore() for _ in range(self.world_size)]

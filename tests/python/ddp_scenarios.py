@@ -64,6 +64,14 @@ def loss_fn(model, x, y):
     return ((model(x) - y) ** 2).mean()
 
 
+def train_steps(ddp, opt, steps, rank):
+    """The plain loop of the resume scenarios: zero_grad, backward of ``steps``' batches, step."""
+    for step in steps:
+        opt.zero_grad()
+        loss_fn(ddp, *batch(step, rank)).backward()
+        opt.step()
+
+
 def recording_hook(records):
     """compress_hook, also recording (step, bucket index, shapes, local input, reduced output,
     parameter keys)."""
@@ -311,10 +319,7 @@ def checkpoint_resume_one(rank, world, outdir, codec):
         return ddp, opt
 
     def run(ddp, opt, steps):
-        for step in steps:
-            opt.zero_grad()
-            loss_fn(ddp, *batch(step, rank)).backward()
-            opt.step()
+        train_steps(ddp, opt, steps, rank)
 
     model = make_model()
     ddp, opt = setup(model)
@@ -366,10 +371,7 @@ def pickle_resume_one(rank, world, outdir, codec, optimizer):
         return make_ddp(model, cfg), opt
 
     def run(ddp, opt, steps):
-        for step in steps:
-            opt.zero_grad()
-            loss_fn(ddp, *batch(step, rank)).backward()
-            opt.step()
+        train_steps(ddp, opt, steps, rank)
 
     model = make_model()
     ddp, opt = setup(model)
@@ -415,10 +417,7 @@ def world_change(rank, world, outdir, codec, optimizer, phase):
         return ddp, opt, state
 
     def run(ddp, opt, steps):
-        for step in steps:
-            opt.zero_grad()
-            loss_fn(ddp, *batch(step, rank)).backward()
-            opt.step()
+        train_steps(ddp, opt, steps, rank)
 
     if phase == "save":
         model = make_model()

@@ -116,7 +116,9 @@ def memory(rank, world, outdir, rows, cols):
     (group,) = state.state_dict()["groups"].values()
     size = lambda t: t.numel() * t.element_size()  # noqa: E731
     _save(outdir, "memory", rank, {"residual": size(group["residual"]),
-                                   **{k: size(group["adam"][k]) for k in ("m", "v", "denominator")}})
+                                   "owner_residual": size(group["owner_residual"]),
+                                   **{k: size(group["adam"][k])
+                                      for k in ("m", "v", "denominator", "m_over_den")}})
 
 
 def refused(rank, world, outdir):
@@ -160,7 +162,8 @@ WIDE_ODD = 129
 def reductions(rank, world, outdir, configs, steps=6):
     """Every call of the compressed reduce-scatter, per (codec, with optimizer, uncompressed_numel):
     the step count and op it saw, its input before and after (the gradient FSDP gives, then what
-    the rank sends), the group's residual and m before and after, the frozen denominator and the
+    the rank sends), the group's residuals (worker and owner), m and m over the denominator before
+    and after, the frozen denominator and the
     output (the sharded update or gradient); per step the sharded gradients and the parameters
     before and after opt.step(). The test recomputes each call from these, independently."""
     out = {}
@@ -181,13 +184,17 @@ def reductions(rank, world, outdir, configs, steps=6):
             call = {"train_step": now[0], "step": state.step, "index": index, "op": str(op),
                     "divide": divide_factor, "async": async_op, "input": clone(input),
                     "residual": None if st is None else clone(st.residual),
-                    "m": None if adam is None else clone(adam.m)}
+                    "owner": None if st is None else clone(st.owner_residual),
+                    "m": None if adam is None else clone(adam.m),
+                    "m_over_den": None if adam is None else clone(adam.m_over_den)}
             result = reduce(index, output, input, group, op, async_op, divide_factor)
             if result is not None:
                 result.wait()
             st = state._groups[index]
             call.update(sent=clone(input), output=clone(output), residual_after=clone(st.residual),
+                        owner_after=clone(st.owner_residual),
                         m_after=None if st.adam is None else clone(st.adam.m),
+                        m_over_den_after=None if st.adam is None else clone(st.adam.m_over_den),
                         denominator=None if st.adam is None else clone(st.adam.denominator),
                         sizes=[p.size for p in state._params[index]])
             calls.append(call)

@@ -50,15 +50,21 @@ def rank_gradients(params, step, world):
     return out
 
 
+def rounded(x, dtype):
+    """float64 -> float32 (the implementation's arithmetic) -> ``dtype``, back to float64."""
+    return x.to(torch.float32).to(dtype).double()
+
+
 def reference(world, steps, denominator_dtype):
     """The parameters after each step, in float64: AdamW on the exact average through the
-    warm-up; then v frozen, its denominator rounded to ``denominator_dtype``, each rank's
-    (1 - b1) g / denominator clipped to Adam's largest step and averaged exactly, added to
-    b1 m / denominator and clipped again; decoupled weight decay."""
+    warm-up; then v frozen, its denominator and m over it rounded to ``denominator_dtype``, each
+    rank's candidate (1 - b1) g / denominator + b1 m / denominator clipped to Adam's largest step,
+    averaged exactly: the new m over the denominator (kept rounded) and, unbiased, the update;
+    decoupled weight decay."""
     params = [p.detach().double() for p in sc.plain_model().parameters()]
     m = [torch.zeros_like(p) for p in params]
     v = [torch.zeros_like(p) for p in params]
-    denominator = None
+    denominator = m_over_den = None
     bound = (1 - B1) / (1 - B2) ** 0.5
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[denominator_dtype]
     trajectory = [params]
@@ -77,9 +83,11 @@ def reference(world, steps, denominator_dtype):
                 if denominator is None:
                     denominator = [((vi / (1 - B2 ** fa.WARMUP)).sqrt() + EPS).to(dtype).double()
                                    for vi in v]
+                    m_over_den = [rounded(mi / d, dtype) for mi, d in zip(m, denominator)]
                 d = denominator[i]
-                avg = sum(((1 - B1) * gr[i] / d).clamp(-bound, bound) for gr in grads) / world
-                moment = (B1 * m[i] / d + avg).clamp(-bound, bound)
+                moment = sum(((1 - B1) * gr[i] / d + B1 * m_over_den[i]).clamp(-bound, bound)
+                             for gr in grads) / world
+                m_over_den[i] = rounded(moment, dtype)
                 m[i] = moment * d
                 updates.append(moment / (1 - B1 ** t))
         params = [p * (1 - fa.LR * fa.WD) - fa.LR * u for p, u in zip(params, updates)]
@@ -221,22 +229,25 @@ def _close(got, expected, tol, what):
     assert (err <= 0).all(), f"{what}: off by {float(err.max()):.3g} beyond tolerance"
 
 
-@pytest.mark.parametrize("config", fa.REDUCTIONS)
-def test_compressed_reduce_scatter_matches_the_codec_definition(session, config):
-    """Every call of the sign reduce-scatter, recomputed in float64 from what each rank had before
-    it: what it sends ((1 - b1) g / denominator, clipped), its codec input ``sent / W + residual``
-    (padding's residual zeroed), the residual after, each output shard (the sum over ranks of the
-    decoded shard) and, with the optimizer, the owner's momentum and update; the residual and m
-    carried bit for bit from one step to the next, one call per group and step, an AVG op, the
-    update landing in the sharded gradients and the parameters. Tolerance: 1e-6 of the magnitudes
-    summed (float32 arithmetic and the codec's fixed mean-|c| tree)."""
+def _padding(sizes, world, shard):
+    """The group's padding elements in FSDP's layout (W rows of ``shard``)."""
+    padding = torch.ones(world * shard, dtype=torch.bool)
+    start = 0
+    for j in range(world):
+        for size in sizes:
+            chunk, real = _rows(size, world)[j]
+            padding[start:start + real] = False
+            start += chunk
+    return padding
+
+
+def _calls(session, config):
+    """The recorded calls of ``config`` by (train step, group, rank), after the checks every
+    configuration shares: one call per group and step, an AVG op, the warm-up FSDP's own."""
     world, outdir = session
-    _, with_opt, uncompressed = config
     runs = [r[config] for r in load(outdir, "reductions", world)]
-    bound = (1 - B1) / (1 - B2) ** 0.5
     groups = runs[0]["groups"]
     for rank, run in enumerate(runs):
-        # one call per group and step, counted at that step
         assert [(c["train_step"], c["step"]) for c in run["calls"]] == \
             [(s, s) for s in range(STEPS) for _ in range(groups)], rank
         assert all(sorted(c["index"] for c in run["calls"][s * groups:(s + 1) * groups]) ==
@@ -249,28 +260,48 @@ def test_compressed_reduce_scatter_matches_the_codec_definition(session, config)
         if step < fa.WARMUP:
             assert torch.equal(call["sent"], call["input"]), (config, step, index, rank)
             assert not call["residual_after"].any(), (config, step, index, rank)
+    return world, runs, groups, calls
+
+
+def _lands_in_the_gradients(runs, calls, groups, world, with_opt):
+    """Each output is the rank's sharded gradients, padding left out (group i: the i-th Linear's
+    weight and bias), and with the optimizer p -= lr * (update + wd * p)."""
+    for (step, index, j), call in calls.items():
+        if step < fa.WARMUP:
+            continue
+        at = 0
+        for k, size in zip([2 * index, 2 * index + 1], call["sizes"]):
+            chunk, real = _rows(size, world)[j]
+            got = runs[j]["steps"][step]["grads"][k].reshape(-1)
+            assert torch.equal(got, call["output"][at:at + real]), (step, k)
+            at += chunk
+    if with_opt:
+        for run in runs:
+            for s in run["steps"]:
+                for p, g, q in zip(s["before"], s["grads"], s["after"]):
+                    e = p.double() * (1 - fa.LR * fa.WD) - fa.LR * g.double()
+                    _close(q, e, 1e-6 * (p.double().abs() + fa.LR * g.double().abs()), "step")
+
+
+@pytest.mark.parametrize("config", [c for c in fa.REDUCTIONS if not c[1]])
+def test_compressed_reduce_scatter_matches_the_codec_definition(session, config):
+    """Every call of the sign reduce-scatter, recomputed in float64 from what each rank had before
+    it: its codec input ``g / W + residual`` (padding's residual zeroed), the residual after, each
+    output shard (the sum over ranks of the decoded shard); the residual carried bit for bit from
+    one step to the next, the output landing in the sharded gradients. Tolerance: 1e-6 of the
+    magnitudes summed (float32 arithmetic and the codec's fixed mean-|c| tree)."""
+    world, runs, groups, calls = _calls(session, config)
+    _, _, uncompressed = config
     compared = 0
     for step in range(fa.WARMUP, STEPS):
         for index in range(groups):
             mine = [calls[(step, index, r)] for r in range(world)]
             sizes = mine[0]["sizes"]
             shard = sum(_rows(size, world)[0][0] for size in sizes)
-            padding = torch.ones(world * shard, dtype=torch.bool)
-            start = 0
-            for j in range(world):
-                for size in sizes:
-                    chunk, real = _rows(size, world)[j]
-                    padding[start:start + real] = False
-                    start += chunk
+            padding = _padding(sizes, world, shard)
             decoded, magnitude = [], torch.zeros(world * shard, dtype=torch.float64)
             for r, call in enumerate(mine):
-                if with_opt:
-                    den = call["denominator"].double()
-                    assert torch.equal(call["denominator"], mine[0]["denominator"])
-                    sent = ((1 - B1) * call["input"].double() / den).clamp(-bound, bound)
-                    _close(call["sent"], sent, 1e-6 * sent.abs(), f"{config} sent {step} {index}")
-                else:
-                    assert torch.equal(call["sent"], call["input"])
+                assert torch.equal(call["sent"], call["input"])
                 before = call["residual"].clone()
                 if step == fa.WARMUP:
                     assert not before.any(), "the residual starts at zero when compressing"
@@ -287,32 +318,75 @@ def test_compressed_reduce_scatter_matches_the_codec_definition(session, config)
             total = sum(decoded)
             for j, call in enumerate(mine):
                 own = slice(j * shard, (j + 1) * shard)
-                avg, tol = total[own].clone(), 1e-6 * magnitude[own]
-                if with_opt:
-                    den = call["denominator"][own].double()
-                    avg[padding[own]] = 0.0
-                    m = call["m"].double()
-                    if step > fa.WARMUP:
-                        assert torch.equal(call["m"], calls[(step - 1, index, j)]["m_after"])
-                    moment = (avg + B1 * m / den).clamp(-bound, bound)
-                    tol = tol + 1e-6 * (B1 * m / den).abs()
-                    _close(call["m_after"], moment * den, tol * den, f"{config} m {step} {index}")
-                    avg, tol = moment / (1 - B1 ** (step + 1)), tol / (1 - B1 ** (step + 1))
-                _close(call["output"], avg, tol, f"{config} output {step} {index} rank {j}")
+                _close(call["output"], total[own], 1e-6 * magnitude[own],
+                       f"{config} output {step} {index} rank {j}")
                 compared += 1
-                # the output is the rank's sharded gradients, padding left out (group i: the
-                # i-th Linear's weight and bias)
-                params = [2 * index, 2 * index + 1]
-                at = 0
-                for k, size in zip(params, sizes):
-                    chunk, real = _rows(size, world)[j]
-                    got = runs[j]["steps"][step]["grads"][k].reshape(-1)
-                    assert torch.equal(got, call["output"][at:at + real]), (config, step, k)
-                    at += chunk
     assert compared == (STEPS - fa.WARMUP) * groups * world
-    if with_opt:  # p -= lr * (update + wd * p)
-        for run in runs:
-            for s in run["steps"]:
-                for p, g, q in zip(s["before"], s["grads"], s["after"]):
-                    e = p.double() * (1 - fa.LR * fa.WD) - fa.LR * g.double()
-                    _close(q, e, 1e-6 * (p.double().abs() + fa.LR * g.double().abs()), "step")
+    _lands_in_the_gradients(runs, calls, groups, world, with_opt=False)
+
+
+@pytest.mark.parametrize("config", [c for c in fa.REDUCTIONS if c[1]])
+def test_a_compressed_adam_step_is_the_ddp_hooks_on_the_group(session, config):
+    """With FrozenVarianceAdamW, every compressed step in float64 from what each rank had before
+    it: the average every rank decodes (left in place of what it sent; the update is it over the
+    bias correction) is what the two-phase all-reduce's error feedback says was sent of each
+    rank's candidate ((1 - b1) g / denominator + b1 m_over_den, clipped to Adam's largest step):
+    the sum over ranks of candidate / W + residual before - residual after, plus the owner's
+    residual before - after (so nothing is lost at either level); m_over_den becomes that average on every rank (the same
+    bits), m its owner's shard times the denominator; the residuals carried bit for bit from one
+    step to the next; the update lands in the sharded gradients and the parameters. The codec
+    itself (each phase's sign encoding of the pieces) is test_reduce_reference.py's."""
+    world, runs, groups, calls = _calls(session, config)
+    bound = (1 - B1) / (1 - B2) ** 0.5
+    for step in range(fa.WARMUP, STEPS):
+        correction = 1 - B1 ** (step + 1)
+        for index in range(groups):
+            mine = [calls[(step, index, r)] for r in range(world)]
+            sizes = mine[0]["sizes"]
+            shard = sum(_rows(size, world)[0][0] for size in sizes)
+            padding = _padding(sizes, world, shard)
+            den = mine[0]["denominator"].double()
+            if step == fa.WARMUP:  # at the freeze: every owner's m over the denominator, gathered
+                m_over_den = rounded(torch.cat([c["m"] for c in mine]).double() / den,
+                                     mine[0]["denominator"].dtype)
+                assert all(c["m_over_den"] is None for c in mine)
+            else:
+                m_over_den = mine[0]["m_over_den"].double()
+            sent_total = torch.zeros(world * shard, dtype=torch.float64)
+            tol = torch.zeros(world * shard, dtype=torch.float64)
+            for r, call in enumerate(mine):
+                assert torch.equal(call["denominator"], mine[0]["denominator"])
+                prev = None if step == fa.WARMUP else calls[(step - 1, index, r)]
+                for key in ("residual", "owner"):
+                    if prev is None:
+                        assert not call[key].any(), "the residuals start at zero when compressing"
+                    else:
+                        assert torch.equal(call[key], prev[key + "_after"]), (key, step, r)
+                if prev is not None:
+                    assert torch.equal(call["m_over_den"], prev["m_over_den_after"])
+                candidate = ((1 - B1) * call["input"].double() / den +
+                             B1 * m_over_den).clamp(-bound, bound)
+                before = call["residual"].double()
+                before[padding] = 0.0
+                sent_total += candidate / world + before - call["residual_after"].double()
+                tol += candidate.abs() / world + before.abs()
+            owner = torch.cat([c["owner"] for c in mine]).double()
+            owner_after = torch.cat([c["owner_after"] for c in mine]).double()
+            # the all-reduce leaves the average in place of the candidates, the same on every rank
+            avg = mine[0]["sent"].double()
+            assert all(torch.equal(c["sent"], mine[0]["sent"]) for c in mine)
+            _close(torch.cat([c["output"] for c in mine]), avg / correction,
+                   1e-6 * avg.abs() / correction, f"{config} update {step} {index}")
+            expected = sent_total + owner - owner_after
+            expected[padding] = 0.0
+            _close(avg, expected, 1e-5 * (tol + owner.abs() + avg.abs()) + 1e-7,
+                   f"{config} average {step} {index}")
+            assert avg.abs().max() > 0, (config, step, index)
+            for j, call in enumerate(mine):
+                after = call["m_over_den_after"]
+                assert torch.equal(after, mine[0]["m_over_den_after"]), (step, index, j)
+                _close(after, avg, 2.0 ** -8 * avg.abs() + 1e-7, f"{config} m_over_den {step}")
+                own = slice(j * shard, (j + 1) * shard)
+                _close(call["m_after"], avg[own] * den[own], 1e-6 * (avg[own] * den[own]).abs()
+                       + 1e-9, f"{config} m {step} {index} {j}")
+    _lands_in_the_gradients(runs, calls, groups, world, with_opt=True)

@@ -1,4 +1,4 @@
-"""docs/guide.md's "Memory per parameter" table against what SimulatedWorkers keeps (gradzip.fsdp's
+"""The README's "Memory per parameter" table against what SimulatedWorkers keeps (gradzip.fsdp's
 row: what a rank of two Gloo ranks keeps): every row's bytes per parameter of one rank's state, and
 its backup where the non-finite guard keeps one."""
 
@@ -15,13 +15,13 @@ from gradzip.optim import CompressedSGD, FrozenVarianceAdamW
 from gradzip.reducer import state_tensors
 from gradzip.simulation import SimulatedWorkers
 
-GUIDE = Path(__file__).resolve().parents[2] / "docs" / "guide.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 WORLD, ROWS, COLS = 4, 200, 201  # one matrix of odd shape
 
 
 def table() -> dict:
     """The table's rows: configuration -> (state, with the guard's backup), as written."""
-    text = GUIDE.read_text().split("### Memory per parameter", 1)[1].split("\n### ", 1)[0]
+    text = README.read_text().split("\n## Memory per parameter", 1)[1].split("\n## ", 1)[0]
     rows = [line.split("|")[1:4] for line in text.splitlines() if line.startswith("| ")]
     return {c.strip(): (s.strip(), g.strip()) for c, s, g in rows[1:]}
 
@@ -78,18 +78,19 @@ def expected(cell: str, q: float, world: int = WORLD) -> float:
 
 def row_of(config: str) -> tuple:
     matches = [v for k, v in table().items() if k.startswith(config)]
-    assert len(matches) == 1, f"docs/guide.md has no single row starting {config!r}"
+    assert len(matches) == 1, f"README.md has no single row starting {config!r}"
     return matches[0]
 
 
 def measured_fsdp(tmp_path) -> tuple:
     """Bytes per parameter of rank 0's state after the freeze under FSDP, and those of the
-    tensors the guard backs up at a compressed step (the residual and m; v and the denominator
-    do not change)."""
+    tensors the guard backs up at a compressed step (the residuals, m and m over the denominator;
+    v and the denominator do not change)."""
     run_ranks(fsdp_scenarios.session, FSDP_WORLD, str(tmp_path),
               [(fsdp_adam_scenarios.memory, (ROWS, COLS))])
     kept = fsdp_scenarios.load(tmp_path, "memory", FSDP_WORLD)[0]
-    return sum(kept.values()) / (ROWS * COLS), (kept["residual"] + kept["m"]) / (ROWS * COLS)
+    backed_up = ("residual", "owner_residual", "m", "m_over_den")
+    return sum(kept.values()) / (ROWS * COLS), sum(kept[k] for k in backed_up) / (ROWS * COLS)
 
 
 def test_the_fsdp_row_states_what_a_rank_keeps(tmp_path):

@@ -9,7 +9,7 @@ import pickle
 import torch
 
 from ddp_scenarios import (batch, loss_fn, make_ddp, make_model, overflow_one, recording_hook,
-                           restored_model)
+                           restored_model, train_steps)
 from gradzip.ddp import compress_hook
 from gradzip.two_level import TwoLevelState
 
@@ -63,10 +63,7 @@ def checkpoint_resume(rank, world, outdir, configs):
                                  min_compress_numel=0)
 
         def run(ddp, opt, steps):
-            for step in steps:
-                opt.zero_grad()
-                loss_fn(ddp, *batch(step, rank)).backward()
-                opt.step()
+            train_steps(ddp, opt, steps, rank)
 
         model = make_model()
         ddp = make_ddp(model, cfg)

@@ -34,9 +34,12 @@ the residual). HSDP's replica all-reduce, where configured, stays uncompressed.
 sharded parameters: the reduce-scatter computes its direction as the DDP hook does (exact AdamW
 through ``warmup_steps``, then v frozen and the momentum compressed), with the Adam state sharded
 as FSDP shards the rest: each rank keeps m and v of its own shard, and from the freeze on the whole
-groups' frozen denominator (``denominator_dtype``, bf16 by default). The reduce-scatter's output,
-hence the sharded gradient, holds the update, which ``opt.step()`` applies with decoupled weight
-decay. See :mod:`gradzip.fsdp_adam`.
+groups' frozen denominator and momentum over it (``denominator_dtype``, bf16 by default). Its
+compressed steps are the DDP hook's two-phase all-reduce of the whole group (each rank's
+candidate momentum, the owner's re-encode with its own residual, the all-gather): twice the bytes
+of the reduce-scatter, which compressed only the gradient's part and collapsed the model on the
+harness. The reduce-scatter's output, hence the sharded gradient, holds the update, which
+``opt.step()`` applies with decoupled weight decay. See :mod:`gradzip.fsdp_adam`.
 """
 
 import logging
@@ -51,7 +54,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from . import _ops  # noqa: F401  (loads the extension that defines torch.classes.gradzip)
-from ._groups import reducing_group, require_same_config
+from ._groups import gather_group_name, reducing_group, require_same_config
 from .bucket_state import initial_qs, tuplify
 from .fsdp_adam import DENOMINATOR_DTYPES, ShardedAdam
 from .optim import FrozenVarianceAdam
@@ -150,7 +153,8 @@ class _GroupState:
     """One parameter group's state on this rank. lowrank: ``residual`` is the unsharded
     gradient's (``layout.bucket``), ``q`` its parameters' Q factors; ``gather`` takes the unsharded
     gradient out of the input, ``mine`` / ``into`` move this rank's rows of it into the output.
-    No owner residual: each rank keeps its shard of the sum as it is."""
+    ``owner_residual`` (this rank's shard): only with the optimizer, whose compressed steps are a
+    two-phase all-reduce; the reduce-scatter keeps each rank's shard of the sum as it is."""
 
     __slots__ = ("layout", "residual", "owner_residual", "padding", "q", "gather", "mine", "into",
                  "adam")
@@ -248,6 +252,7 @@ class FSDPCompressionState(ReducerState):
         self._commit()
         clone = lambda t: None if t is None else t.detach().clone()  # noqa: E731
         groups = {i: {"layout": g.layout.describe(), "residual": clone(g.residual), "q": clone(g.q),
+                      "owner_residual": clone(g.owner_residual),
                       "adam": None if g.adam is None else g.adam.state_dict()}
                   for i, g in self._groups.items()}
         groups.update({i: d for i, d in self._loaded.items() if i not in groups})
@@ -299,8 +304,14 @@ class FSDPCompressionState(ReducerState):
     def _setup(self, group, device) -> None:
         if self._runtime is None:
             self._check_config(group, device)
+            # with the optimizer, compressed steps are the DDP hook's two-phase all-reduce
+            # (gradzip.fsdp_adam), whose CPU all-gathers want a group of their own
+            plan = self.config.plan
+            gather = "" if self.config.direction is None else \
+                gather_group_name(group, device, plan)
             self._runtime = torch.classes.gradzip.CompressedAllreduce(
-                reducing_group(group, device).group_name, self.config.codec, self._guard)
+                reducing_group(group, device).group_name, self.config.codec, self._guard,
+                plan.cast_sum, gather)
             self._group_name = group.group_name
         elif group.group_name != self._group_name:
             raise ValueError("gradzip.fsdp: every parameter group must reduce over the same "
@@ -324,6 +335,9 @@ class FSDPCompressionState(ReducerState):
                 mine = padding[(padding >= rank * layout.shard) &
                                (padding < (rank + 1) * layout.shard)] - rank * layout.shard
                 adam = ShardedAdam(layout.shard, mine, device)
+            # the owner's residual of the two-phase all-reduce the optimizer's compressed steps use
+            owner = None if adam is None or residual is None else torch.zeros(
+                layout.shard, dtype=self.config.residual_dtype, device=device)
             saved = self._loaded.pop(index, None)
             if saved is not None:
                 if tuplify(saved["layout"]) != layout.describe():
@@ -334,9 +348,12 @@ class FSDPCompressionState(ReducerState):
                     residual.copy_(saved["residual"])
                 if q is not None and saved.get("q") is not None:
                     q.copy_(saved["q"])
+                if owner is not None and saved.get("owner_residual") is not None:
+                    owner.copy_(saved["owner_residual"])
                 if adam is not None:
                     adam.load_state_dict(saved["adam"], self.denominator_dtype)
             st = self._groups[index] = _GroupState(layout, residual, q, rank, device, adam)
+            st.owner_residual = owner
         return st
 
     def _prescale(self, op, world: int, divide_factor: Optional[float]) -> float:
@@ -365,8 +382,11 @@ class FSDPCompressionState(ReducerState):
         raw = (world - 1) * st.layout.shard * input.element_size()
         if st.adam is not None:
             self._check_adam_op(op)
+            if compressed:  # v freezes at the group's first compressed step
+                st.adam.freeze_(self.config.direction, group, self.denominator_dtype)
             if self._guard is not None:  # before the update: an overflow step undoes it
-                self._guard.save([st.adam.m] if compressed else [st.adam.m, st.adam.v])
+                self._guard.save([st.adam.m, st.adam.m_over_den] if compressed else
+                                 [st.adam.m, st.adam.v])
         if compressed:
             scale = self._prescale(op, world, divide_factor)
             if st.q is not None:
@@ -374,13 +394,13 @@ class FSDPCompressionState(ReducerState):
             else:
                 x = input.reshape(-1)
                 x = x if x.dtype == torch.float32 else x.float()
+                exact = st.layout.exact(self.config.uncompressed_numel)
                 if st.adam is not None:
-                    st.adam.freeze_(self.config.direction, group, self.denominator_dtype)
                     st.adam.send_(self.config.direction, x)
-                fut = self._reduce_codec(index, st, output, x, scale,
-                                         st.layout.exact(self.config.uncompressed_numel))
-                if st.adam is not None:
-                    fut = fut.then(self._finishing_adam(st, output, rank))
+                    fut = self._allreduce_adam(index, st, x, exact)
+                    fut = fut.then(self._finishing_adam(st, output, rank, x))
+                else:
+                    fut = self._reduce_codec(index, st, output, x, scale, exact)
             sent, received = self._runtime.traffic(index)
         else:
             sent = received = raw
@@ -412,19 +432,23 @@ class FSDPCompressionState(ReducerState):
                              "scatter (an fp16 reduce_dtype, or set_force_sum_reduction_for_comms):"
                              " use an fp32 or bf16 reduce_dtype")
 
-    def _finishing_adam(self, st, output, rank):
-        """The callback that finishes a compressed reduce-scatter's Future for the optimizer."""
+    def _finishing_adam(self, st, output, rank, whole):
+        """The callback that finishes a compressed step's Future for the optimizer: ``whole``,
+        the group's all-reduced candidates."""
         def finish(f):
             f.value()  # raises the reduction's error, if any
-            return self._finish_adam(st, output, rank, compressed=True)
+            return self._finish_adam(st, output, rank, compressed=True, whole=whole)
         return finish
 
-    def _finish_adam(self, st, output, rank, compressed) -> list:
-        """The shard's average in ``output`` becomes the optimizer's update, in place."""
+    def _finish_adam(self, st, output, rank, compressed, whole=None) -> list:
+        """The optimizer's update of this rank's shard, written into ``output``: from the whole
+        group's averaged candidates ``whole`` (a compressed step), or from the exactly averaged
+        shard in ``output``."""
         out = output.view(-1)
         avg = out if out.dtype == torch.float32 else out.float()
         if compressed:
-            st.adam.receive_(self.config.direction, avg, rank)
+            whole.index_fill_(0, st.padding, 0.0)  # a codec may decode padding to non-zero (sign)
+            st.adam.receive_(self.config.direction, whole, rank, avg)
         else:
             st.adam.exact_(self.config.direction, avg)
         if avg is not out:
@@ -432,13 +456,26 @@ class FSDPCompressionState(ReducerState):
         self.config.direction.wrote_(out)
         return [output]
 
-    def _reduce_codec(self, index, st, output, x, prescale, exact):
+    def _prepare_residual(self, st) -> None:
+        """Before a compressed reduction: the guard's backup of the residual as it is, then its
+        padding zeroed (FSDP pads with zeros; a codec may have left non-zero errors there)."""
         if st.residual is not None:
             if self._guard is not None:
                 self._guard.save([st.residual])  # before the update: an overflow step undoes it
-            st.residual.index_fill_(0, st.padding, 0.0)  # padding is zero, as FSDP pads it
+            st.residual.index_fill_(0, st.padding, 0.0)
+
+    def _reduce_codec(self, index, st, output, x, prescale, exact):
+        self._prepare_residual(st)
         return self._runtime.reduce_scatter(index, output.view(-1), x, st.layout.numels,
                                             st.residual, prescale, exact)
+
+    def _allreduce_adam(self, index, st, x, exact):
+        """The two-phase all-reduce of the whole group's candidates ``x``, in place, as the DDP
+        hook's (worker and owner residuals; the C++ reduction saves the owner's for the guard)."""
+        self._prepare_residual(st)
+        numels = st.layout.numels
+        return self._runtime.reduce(index, x, x, numels, st.residual, st.owner_residual, True,
+                                    exact, numels, None)
 
     def _reduce_lowrank(self, index, st, output, input, scale):
         """The whole unsharded gradient's lowrank average on every rank (the DDP hook's

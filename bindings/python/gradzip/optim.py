@@ -250,24 +250,20 @@ class FrozenVarianceAdam(_Direction):
             g.clamp_(-self.step_bound, self.step_bound)
         return g
 
-    def increment_(self, g: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
-        """Under FSDP's reduce-scatter (gradzip.fsdp): what a rank sends of its gradient ``g`` of
-        a whole parameter group, in place: the new part of the candidate momentum, ``(1 - b1) *
-        g``, over the frozen ``denominator`` of the group. The rest, ``b1 * m``, needs the
-        momentum, which only the shard's owner holds: it adds it (:meth:`sharded_finish_`).
-        Clipped to step_bound as the DDP candidate is: one coordinate whose variance is ~0 would
-        otherwise set its codec block's scale."""
-        g.mul_(1.0 - self.betas[0]).div_(denominator)
+    def sharded_candidate_(self, g: torch.Tensor, m_over_den: torch.Tensor,
+                           denominator: torch.Tensor) -> torch.Tensor:
+        """Under FSDP (gradzip.fsdp): :meth:`apply_`'s candidate of a whole parameter group, in
+        place, from its gradient ``g``, the group's frozen ``denominator`` and ``m_over_den``, the
+        group's momentum over it as the last compressed average left it on every rank:
+        ``(1 - b1) * g / denominator + b1 * m_over_den``, clipped to step_bound."""
+        b1 = self.betas[0]
+        g.mul_(1.0 - b1).div_(denominator).add_(m_over_den, alpha=b1)
         return g.clamp_(-self.step_bound, self.step_bound)
 
-    def sharded_finish_(self, avg: torch.Tensor, m: torch.Tensor, denominator: torch.Tensor,
-                        t: int) -> torch.Tensor:
-        """The shard owner's :meth:`finish_` of a compressed step under FSDP: ``avg``, the
-        averaged increments of its shard, plus ``b1 * m`` over the shard's ``denominator`` is the
-        momentum over the denominator, clipped to step_bound as the DDP candidate is; m keeps it
-        in gradient units. Returns the update in ``avg``."""
-        avg.addcdiv_(m, denominator, value=self.betas[0])
-        avg.clamp_(-self.step_bound, self.step_bound)
+    def compressed_finish_(self, avg: torch.Tensor, m: torch.Tensor, denominator: torch.Tensor,
+                           t: int) -> torch.Tensor:
+        """A compressed step's end, in place: ``avg``, the averaged candidates (the momentum over
+        the frozen ``denominator``), becomes the update; m keeps it in gradient units."""
         m.copy_(avg).mul_(denominator)
         return avg.div_(1.0 - self.betas[0] ** t)
 
@@ -276,8 +272,7 @@ class FrozenVarianceAdam(_Direction):
         m, v = moments
         b1, b2 = self.betas
         if compressed:  # avg: the averaged momentum over the frozen denominator
-            m.copy_(avg).mul_(self.denominator(v, exact_updates))
-            return avg.div_(1.0 - b1 ** t)
+            return self.compressed_finish_(avg, m, self.denominator(v, exact_updates), t)
         m.mul_(b1).add_(avg, alpha=1.0 - b1)  # AdamW on the exact average
         v.mul_(b2).addcmul_(avg, avg, value=1.0 - b2)  # (its bias: the exact updates it has seen)
         torch.div(v, 1.0 - b2 ** exact_updates, out=avg).sqrt_().add_(self.eps)

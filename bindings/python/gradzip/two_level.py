@@ -30,6 +30,11 @@ state is the whole bucket's), ``lowrank:R`` (a shard cuts its matrices) and a ``
 (the node layout's groups span the default group). The residual of DDP's first iteration, whose
 one bucket is rebuilt into several, starts the rebuilt buckets' shards from zero (the shards'
 boundaries move); a checkpoint resumes exactly, as the flat hook's.
+
+Phase 1 runs in the hook and waits for its reduce-scatter before phase 2 can encode the shard:
+with Gloo on the CPU that blocks DDP's hook thread for the node's exchange (on the GPU it waits on
+the stream, not the host), so the intra-node time adds to the step instead of overlapping the
+backward pass; measured in bench/RESULTS.md section 4 (two nodes of two ranks).
 """
 
 import os

@@ -374,8 +374,8 @@ void BucketReduction::append(Messages& out, const std::vector<Piece>& pieces, in
 
 void BucketReduction::encode_all(const Messages& m, const float* in, const at::Tensor& residual,
                                  int64_t residual_offset, uint8_t* wire, float prescale) {
-  ResidualSpans spans;
-  if (residual.defined()) {
+  ResidualSpans spans;  // what a bfloat16 residual widens; a float32 one is used in place
+  if (residual.defined() && residual.scalar_type() != at::kFloat) {
     spans.reserve(m.size());
     for (const Message& x : m) spans.emplace_back(x.at, x.n);
   }

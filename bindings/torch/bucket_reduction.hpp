@@ -184,7 +184,8 @@ class BucketReduction : public Reduction {
   bool same_layout(const Reduction& other) const override;
 
   // x: this rank's float32 bucket (n, contiguous). residual: n float32 or bfloat16 elements
-  // (float_residual.hpp), or undefined (no error feedback). Encodes x * prescale (the all-reduce averages: 1 / W); the residual is in those units.
+  // (float_residual.hpp), or undefined (no error feedback). Encodes x * prescale (the all-reduce
+  // averages: 1 / W); the residual is in those units.
   void encode(const at::Tensor& x, const at::Tensor& residual);
   void encode(const at::Tensor& x, const at::Tensor& residual, float prescale);
   // out: shard_size(rank) floats, its window (this layout's elements of the shard) set to the sum

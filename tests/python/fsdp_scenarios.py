@@ -72,11 +72,14 @@ def make_optimizer(name, params):
 
 
 def compress(model, codec):
-    """gradzip.fsdp.compress for a scenario's codec name: "SPEC+compact" keeps the residuals in
-    bfloat16 (residual_dtype)."""
-    spec, _, compact = codec.partition("+")
+    """gradzip.fsdp.compress for a scenario's codec name: "SPEC[+compact][+nodes]": +compact keeps
+    the residuals in bfloat16 (residual_dtype), +nodes reduces in two levels over nodes of 2
+    ranks (ranks_per_node=2)."""
+    spec, *options = codec.split("+")
     return gradzip.fsdp.compress(model, spec, min_compress_numel=0,
-                                 residual_dtype=torch.bfloat16 if compact else torch.float32)
+                                 residual_dtype=torch.bfloat16 if "compact" in options
+                                 else torch.float32,
+                                 ranks_per_node=2 if "nodes" in options else 1)
 
 
 def _save(outdir, name, rank, obj):
@@ -102,7 +105,7 @@ def step0(rank, world, outdir, codecs):
             out[(pname, None)] = [g * world / factor for g in out[("default", None)]]
         for codec in codecs:
             model = make_model(policy, factor)
-            state = gradzip.fsdp.compress(model, codec, min_compress_numel=0)
+            state = compress(model, codec)
             loss_of(model, 0, rank).backward()
             out[(pname, codec)] = local_grads(model)
             out[(pname, codec, "stats")] = state.stats
@@ -213,6 +216,35 @@ def resume(rank, world, outdir, codecs, steps=4, at=2):
                       "residual_norm": sum(float(d["residual"].norm())
                                            for d in saved["gradzip"]["groups"].values())}
     _save(outdir, "resume", rank, out)
+
+
+def recorded(rank, world, outdir, codecs, steps=4):
+    """SGD steps per codec, every reduce-scatter's input (fp32) and output recorded, then the
+    residual of each parameter group: what an error-feedback invariant is checked against."""
+    out = {}
+    for codec in codecs:
+        model = make_model()
+        state = compress(model, codec)
+        calls, reduce_scatter = [], state._reduce_scatter
+
+        def recording(index, output, input, *args, reduce_scatter=reduce_scatter, calls=calls):
+            step, x = state.step, input.detach().float().clone()
+            work = reduce_scatter(index, output, input, *args)
+            if work is not None:
+                work.wait()
+            calls.append((step, index, x, output.detach().float().clone()))
+            return None
+
+        state._reduce_scatter = recording
+        opt = make_optimizer("sgd", model.parameters())
+        for step in range(steps):
+            loss_of(model, step, rank).backward()
+            opt.step()
+            opt.zero_grad()
+        groups = state.state_dict()["groups"]
+        out[codec] = {"calls": calls, "residuals": {i: d["residual"] for i, d in groups.items()},
+                      "shards": {i: g.layout.shard for i, g in state._groups.items()}}
+    _save(outdir, "recorded", rank, out)
 
 
 def async_call(rank, world, outdir, codecs):

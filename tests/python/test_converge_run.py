@@ -15,7 +15,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dist_util import free_port
 from converge_util import Interrupt, stop_at
 from gradzip_converge import provenance
 from gradzip_converge.training import (RunConfig, RunFiles, compress_warmup_steps, load_data,
@@ -327,8 +326,9 @@ def test_cli_errors_are_clear(tmp_path):
 @pytest.mark.parametrize("strategy,extra", [("ddp", []), ("fsdp", []),
                                             ("fsdp", ["--param-codec", "int8"])])
 def test_distributed_modes_under_torchrun(tmp_path, strategy, extra):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", str(free_port()), "-m", "gradzip_converge", "--strategy", strategy,
+    # --standalone: torchrun takes a free port itself (a port picked beforehand can be taken)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "gradzip_converge", "--strategy", strategy,
            "--suite", "cpu-smoke",
            "--out", str(tmp_path), "--steps", "4", "--quiet"] + extra
     # own session: on a timeout the whole group (torchrun and its ranks) is killed, not orphaned
@@ -367,6 +367,25 @@ def test_optimizer_and_warmup_options_reach_the_runs_that_do_not_set_them():
     assert compress_warmup_steps(runs[0]) == 7 and optimizer_name(runs[0]) == "frozen-variance-adamw"
     with pytest.raises(SystemExit):
         parse_args(["--out", "x", "--optimizer", "lamb"])
+
+
+def test_two_level_runs_are_named_and_refused_where_they_cannot_run(tmp_path):
+    from gradzip_converge.cli import overrides, parse_args, select
+    from gradzip_converge.suites import get_suite
+
+    args = parse_args(["--suite", "cpu-default", "--out", "x", "--ranks-per-node", "2",
+                       "--codecs", "fp32,int8,topk:0.01"])
+    suite = get_suite("cpu-default")
+    runs = select(suite.configs(**overrides(args)), args.codecs,
+                  replace(suite.base, **overrides(args)))
+    assert [r.name for r in runs] == ["fp32", "int8+2x2", "topk:0.01+2x2"]
+    # the sign recipe is FrozenVarianceAdamW, whose state is the whole bucket's
+    r = _cli(["--suite", "cpu-smoke", "--out", str(tmp_path), "--codecs", "sign",
+              "--ranks-per-node", "2"], timeout=60)
+    assert r.returncode != 0 and "--optimizer adamw" in r.stderr
+    r = _cli(["--suite", "cpu-smoke", "--out", str(tmp_path), "--codecs", "int8",
+              "--ranks-per-node", "2", "--strategy", "ddp"], timeout=60)
+    assert r.returncode != 0 and "simulated workers" in r.stderr
 
 
 def test_the_fsdp_recipe_is_torchs_adamw_unless_the_run_names_the_frozen_variance_adam():

@@ -112,3 +112,32 @@ def test_uncompressed_tensors_per_run():
     assert exact.bytes_per_step > plain.bytes_per_step
     cfg = replace(RunConfig(), **overrides(parse_args(["--uncompressed-numel", "4096"])))
     assert cfg.uncompressed_numel == 4096 and replace(cfg, codec="int8").name == "int8+u4096"
+
+
+def test_two_level_runs_reduce_each_bucket_as_the_simulated_node_layout():
+    """ranks_per_node: every bucket of a step through SimulatedWorkers' two-level reduction (one
+    simulation, the step ended by the last bucket); the fp32 baseline stays the flat average."""
+    from gradzip.simulation import SimulatedWorkers
+
+    numels = [30000, 50000, 70001, 100]  # shards above MIN_COMPRESS_NUMEL
+    red = Reducer("int8", 4, param_numels=numels, bucket_cap_mb=40000 * 4 / 2**20,
+                  first_bucket_bytes=4 * 70000, ranks_per_node=2)
+    ref = SimulatedWorkers("int8", 4, min_compress_numel=MIN_COMPRESS_NUMEL, ranks_per_node=2)
+    bounds = bucket_bounds(numels, red.cap_bytes, red.first_bucket_bytes)
+    inside = [[70001, 100], [50000], [30000]]
+    for step in range(2):
+        gs = [torch.randn(sum(numels), generator=torch.Generator().manual_seed(10 * step + r))
+              for r in range(4)]
+        out = red.reduce(gs)
+        for i, (a, b) in enumerate(bounds):
+            assert torch.equal(out[a:b], ref.reduce([g[a:b] for g in gs], bucket_index=i,
+                                                    numels=inside[i],
+                                                    is_last=i == len(bounds) - 1))
+        assert red.bytes_per_step == ref.stats["bytes_sent"]
+    flat = Reducer("int8", 4, param_numels=numels, bucket_cap_mb=40000 * 4 / 2**20,
+                   first_bucket_bytes=4 * 70000)
+    flat.reduce(gs)
+    # a rank sends its half of the bucket to one other node, not 3/4 of it to three other ranks
+    assert red.bytes_per_step < flat.bytes_per_step / 2
+    base = Reducer("fp32", 4, param_numels=numels, ranks_per_node=2)
+    assert base._sim.ranks_per_node == 1

@@ -17,6 +17,7 @@ from gradzip.simulation import SimulatedWorkers
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 WORLD, ROWS, COLS = 4, 200, 201  # one matrix of odd shape
+R = 2  # ranks per node of the two-level rows
 
 
 def table() -> dict:
@@ -48,6 +49,8 @@ SETTINGS = {
         for codec in ("fp16", "bf16", "int8", "sign", "topk:0.01")],
     "compact residual, top-k two-phase": (
         "topk:0.01", dict(cast_sum="fp32", residual_dtype=torch.bfloat16)),
+    "two-level reduction": [(codec, dict(ranks_per_node=R))
+                            for codec in ("fp16", "bf16", "int8", "sign", "topk:0.01")],
     "compact residual, `FrozenVarianceAdamW`, sign": (
         "sign", dict(optimizer=lambda: FrozenVarianceAdamW(params()), warmup_steps=1,
                      residual_dtype=torch.bfloat16)),
@@ -63,17 +66,19 @@ def measured(codec: str, kwargs: dict, guard: bool) -> tuple:
     for _ in range(3):
         sim.reduce([torch.randn(ROWS * COLS, generator=g) for _ in range(WORLD)],
                    shapes=[(ROWS, COLS)])
-    kept = [t for st in sim._ef[0].buckets.values() for t in state_tensors(st) if t is not None]
-    q = sum(t.numel() * t.element_size() for st in sim._ef[0].buckets.values()
+    rank0 = sim._shards[0] if sim._shards else sim  # two-level: rank 0 is local rank 0 of node 0
+    buckets = rank0._ef[0].buckets.values()
+    kept = [t for st in buckets for t in state_tensors(st) if t is not None]
+    q = sum(t.numel() * t.element_size() for st in buckets
             for t in ([st.q] if torch.is_tensor(st.q) else list(st.q or [])))
     state = sum(t.numel() * t.element_size() for t in kept) / (ROWS * COLS)
-    return state, q / (ROWS * COLS), sim._guards[0] is not None
+    return state, q / (ROWS * COLS), rank0._guards[0] is not None
 
 
 def expected(cell: str, q: float, world: int = WORLD) -> float:
     """A cell of the table (e.g. "8 + 8/W", "4 + Q", "8 + 2Q") at this test's W and Q."""
     expr = re.sub(r"(\d)Q", r"\1*Q", cell)
-    return eval(expr, {"W": world, "Q": q})  # the table's arithmetic, nothing else
+    return eval(expr, {"W": world, "Q": q, "R": R})  # the table's arithmetic, nothing else
 
 
 def row_of(config: str) -> tuple:

@@ -57,10 +57,10 @@ def test_replicas_identical_and_shards_equal_flat_reduction(session, name, cfg):
             assert torch.equal(a, b), f"{name}: replica {r} differs from replica 0"
     recs = sorted_records(runs)
     nodes = world // R
-    # one flat reduction over the N nodes per local rank (its shards), fed the nodes' averages
-    sims = [SimulatedWorkers(cfg["codec"], nodes, min_compress_numel=32, warmup_steps=1,
-                             uncompressed_numel=cfg.get("uncompressed_numel", 0))
-            for _ in range(R)]
+    # the simulation's node layout: one flat reduction over the N nodes per local rank (its
+    # shards), fed the nodes' averages
+    sim = SimulatedWorkers(cfg["codec"], world, min_compress_numel=32, warmup_steps=1,
+                           uncompressed_numel=cfg.get("uncompressed_numel", 0), ranks_per_node=R)
     for k, (key, _, out0, params) in enumerate(recs[0]):
         step, index, shapes = key
         for r in range(1, world):
@@ -71,28 +71,18 @@ def test_replicas_identical_and_shards_equal_flat_reduction(session, name, cfg):
         if step == 0 or cfg["codec"] == "fp32":  # uncompressed: the average to fp32 rounding
             torch.testing.assert_close(out0.double(), mean, rtol=1e-5, atol=1e-7)
             continue
-        n = out0.numel()
-        shard = -(-n // R)
-        layout = (n, tuple(zip(params, shapes)))
-        node_avg = torch.zeros(nodes, R * shard)
-        node_avg[:, :n] = inputs.view(nodes, R, n).sum(1) / R
-        for local in range(R):
-            piece = shard_layout(layout, local, shard)
-            sims[local].step = step
-            expected = sims[local].reduce(
-                list(node_avg[:, local * shard:(local + 1) * shard]), bucket_index=(index, piece),
-                shapes=[s for _, s in piece[1]], keys=[k for k, _ in piece[1]])
-            got = out0[local * shard:min(n, (local + 1) * shard)]
-            if cfg["codec"] == "bf16":
-                # summed in bf16 by Gloo: |payload| <= (1 + u) |node average| / N, each sum,
-                # Gloo's and the simulation's, within (N - 1) u of the payloads' magnitude
-                mag = node_avg[:, local * shard:local * shard + got.numel()].double().abs().sum(0)
-                err = (got.double() - expected[:got.numel()].double()).abs()
-                u = 2.0 ** -8
-                assert (err <= 2.1 * (nodes - 1) * u * mag / nodes + nodes * 2.0 ** -24).all()
-            else:
-                assert torch.equal(got, expected[:got.numel()]), \
-                    f"{name}: step {step} bucket {index} shard {local}"
+        sim.step = step
+        expected = sim.reduce(list(inputs), bucket_index=index, shapes=shapes, keys=params)
+        if cfg["codec"] == "bf16":
+            # summed in bf16 by Gloo: |payload| <= (1 + u) |node average| / N, each sum, Gloo's
+            # and the simulation's, within (N - 1) u of the payloads' magnitude
+            node_avg = inputs.view(nodes, R, -1).sum(1) / R
+            err = (out0.double() - expected.double()).abs()
+            u = 2.0 ** -8
+            assert (err <= 2.1 * (nodes - 1) * u * node_avg.double().abs().sum(0) / nodes
+                    + nodes * 2.0 ** -24).all()
+        else:
+            assert torch.equal(out0, expected), f"{name}: step {step} bucket {index}"
 
 
 def test_topk_error_feedback_invariant_in_float64(session):

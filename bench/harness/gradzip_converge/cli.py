@@ -23,8 +23,8 @@ import torch
 from .output import Progress, clear_results, summarise, write_suite_json
 from .local_training import train_local
 from .suites import SUITES, get_suite
-from .training import (OPTIMIZERS, RunConfig, RunFiles, data_key, load_data, setup_process,
-                       train_simulated)
+from .training import (OPTIMIZERS, RunConfig, RunFiles, data_key, load_data, optimizer_name,
+                       setup_process, train_simulated)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -73,6 +73,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--residual-dtype", choices=("fp32", "bf16"),
                    help="the error-feedback residuals' dtype in the runs that do not set their "
                         "own: bf16 is the compact state, half the bytes (run names get +resbf16)")
+    p.add_argument("--ranks-per-node", type=int, metavar="R",
+                   help="the workers are nodes of R ranks, reduced in two levels (exact inside a "
+                        "node, the codec between nodes: gradzip.two_level); simulated workers "
+                        "only, not with gradzip.optim's optimizers (run names get +NxR)")
     p.add_argument("--ddp", action="store_const", const="ddp", dest="strategy",
                    help="the same as --strategy ddp")
     p.add_argument("--threads", type=int, default=1,
@@ -87,7 +91,8 @@ def overrides(args) -> dict:
          "weights": args.weights, "seed": args.seed, "eval_every": args.eval_every,
          "param_codec": args.param_codec, "uncompressed_numel": args.uncompressed_numel,
          "optimizer": args.optimizer, "compress_warmup": args.compress_warmup,
-         "max_grad_norm": args.max_grad_norm, "residual_dtype": args.residual_dtype}
+         "max_grad_norm": args.max_grad_norm, "residual_dtype": args.residual_dtype,
+         "ranks_per_node": args.ranks_per_node}
     return {k: v for k, v in o.items() if v is not None}
 
 
@@ -230,6 +235,15 @@ def _main(argv=None) -> int:
     if any(c.local_steps and c.residual_dtype != "fp32" for c in configs):
         raise SystemExit("the compact residual (+resbf16) applies to the per-step reduction; "
                          "local-steps runs (+H) keep their outer residual in fp32")
+    if any(c.ranks_per_node > 1 and (c.local_steps or args.strategy != "simulated")
+           for c in configs):
+        raise SystemExit("two-level runs (+NxR) run with simulated workers and per-step "
+                         "reduction only (gradzip.two_level.TwoLevelState is the multi-rank hook)")
+    for c in configs:
+        try:
+            optimizer_name(c)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
     if args.strategy != "simulated" and any(c.local_steps for c in configs):
         raise SystemExit("local-steps runs (+H) run with simulated workers only; "
                          "gradzip.local_steps.LocalSteps is the multi-rank outer loop")

@@ -75,7 +75,8 @@ class Reducer:
     averaged uncompressed, or in ``warmup_codec`` (and counted as such in the bytes).
     ``max_grad_norm``: with ``optimizer``, each worker's gradient clipped (SimulatedWorkers').
     ``cast_sum``: SimulatedWorkers' (None: its default). ``residual_dtype``: "fp32", or "bf16"
-    (the compact residual)."""
+    (the compact residual). ``ranks_per_node``: R > 1, the two-level reduction of workers / R
+    nodes (SimulatedWorkers'); the fp32 baseline stays flat (the same average)."""
 
     def __init__(self, codec: str, workers: int, error_feedback: bool = True,
                  param_numels: list[int] | None = None, bucket_cap_mb: float = 25.0,
@@ -83,7 +84,7 @@ class Reducer:
                  optimizer=None, param_shapes: list[tuple] | None = None,
                  warmup_codec: str | None = None, uncompressed_numel: int = 0,
                  max_grad_norm: float | None = None, cast_sum: str | None = None,
-                 residual_dtype: str = "fp32"):
+                 residual_dtype: str = "fp32", ranks_per_node: int = 1):
         from gradzip.simulation import SimulatedWorkers  # compiled extension: imported only here
 
         self.codec = canonical_codec(codec)
@@ -101,7 +102,9 @@ class Reducer:
                                      optimizer=optimizer, warmup_codec=warmup_codec,
                                      uncompressed_numel=uncompressed_numel,
                                      max_grad_norm=max_grad_norm, cast_sum=cast_sum,
-                                     residual_dtype=RESIDUAL_DTYPES[residual_dtype])
+                                     residual_dtype=RESIDUAL_DTYPES[residual_dtype],
+                                     ranks_per_node=(1 if self.codec == BASELINE
+                                                     else ranks_per_node))
         self.bytes_per_step = 0  # bytes one worker sent in the last step
         self.raw_bytes_per_step = 0  # what an uncompressed fp32 ring all-reduce would send
 

@@ -68,6 +68,8 @@ class RunConfig:
     uncompressed_numel: int = 0  # int8/sign: 1-D tensors and those under N elements sent in fp32
     residual_dtype: str = "fp32"  # the error-feedback residuals' dtype: "bf16" is the compact
     # state (half the bytes, each update rounded to bfloat16)
+    ranks_per_node: int = 1  # R > 1: the workers are nodes of R ranks, reduced in two levels
+    # (gradzip.two_level: exact inside a node, the codec between nodes); the fp32 baseline is flat
     max_grad_norm: float | None = None  # gradient clipping where the loop can clip: torch's
     # clip_grad_norm_ on the averaged gradient, or each worker's in the reduction for gradzip.optim's
     local_steps: int = 0  # H > 0: every worker trains its own replica with torch's optimizer and
@@ -102,6 +104,8 @@ class RunConfig:
         name += f":{canonical_codec(self.warmup_codec)}" if self.warmup_codec else ""
         name += f"+u{self.uncompressed_numel}" if self.uncompressed_numel else ""
         name += f"+res{self.residual_dtype}" if self.residual_dtype != "fp32" else ""
+        name += (f"+{self.workers // self.ranks_per_node}x{self.ranks_per_node}"
+                 if self.ranks_per_node > 1 and codec != BASELINE else "")
         name += f"+gclip{self.max_grad_norm:g}" if self.max_grad_norm is not None else ""
         name += f"@{self.cast_sum}" if self.cast_sum else ""  # the cost model's spelling
         # local steps: the inner learning rate too (replicas on 1/W of the batch want another)
@@ -198,6 +202,9 @@ def optimizer_name(cfg: RunConfig) -> str:
     if (cfg.momentum_masking or cfg.local_clip_norm is not None) and name != "compressed-sgd":
         raise ValueError(f"{cfg.name}: momentum_masking and local_clip_norm are CompressedSGD's "
                          f"options; this run's optimizer is {name}")
+    if cfg.ranks_per_node > 1 and name in ("frozen-variance-adamw", "compressed-sgd"):
+        raise ValueError(f"{cfg.name}: the two-level reduction runs torch's optimizers, not "
+                         f"{name} (its state is the whole bucket's): pass --optimizer adamw or sgd")
     if cfg.residual_decay != 1.0 and not cfg.local_steps:
         raise ValueError(f"{cfg.name}: residual_decay scales the outer residual of local steps "
                          "(local_steps > 0)")
@@ -388,7 +395,7 @@ def train_simulated(cfg: RunConfig, out: Path, data: tuple[dict, dict], device: 
                       optimizer=hook_optimizer(opt), warmup_codec=cfg.warmup_codec,
                       uncompressed_numel=cfg.uncompressed_numel,
                       max_grad_norm=reduction_clip(cfg, opt), cast_sum=cfg.cast_sum,
-                      residual_dtype=cfg.residual_dtype)
+                      residual_dtype=cfg.residual_dtype, ranks_per_node=cfg.ranks_per_node)
 
     def restore(state):
         load_trainer(state, model, opt, sched)

@@ -30,6 +30,10 @@ post-division FSDP applies around a ``SUM`` stay FSDP's, ``set_gradient_divide_f
 1/factor); the shards are FSDP's, padding included (padded elements are zero on the wire and in
 the residual). HSDP's replica all-reduce, where configured, stays uncompressed.
 
+``compress(..., ranks_per_node=R)``: the two-level reduce-scatter of nodes of R ranks (exact inside
+a node, the codec between nodes; see ``FSDPCompressionState._node_sum``), as gradzip.two_level
+reduces DDP's buckets.
+
 ``compress(..., optimizer=opt)`` with a ``gradzip.optim.FrozenVarianceAdamW`` over the model's
 sharded parameters: the reduce-scatter computes its direction as the DDP hook does (exact AdamW
 through ``warmup_steps``, then v frozen and the momentum compressed), with the Adam state sharded
@@ -44,6 +48,7 @@ harness. The reduce-scatter's output, hence the sharded gradient, holds the upda
 
 import logging
 import math
+import warnings
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Dict, List, Optional, Tuple
@@ -61,6 +66,7 @@ from .optim import FrozenVarianceAdam
 from .plan import CodecPlan
 from .reducer import ReducerConfig, ReducerState, reduce_bucket
 from .param_gather import CompressedAllGather, param_codec as _param_codec
+from .two_level import NodeGroups, check_two_level
 from .wire import MIN_COMPRESS_NUMEL, travels_uncompressed
 
 __all__ = ["compress", "FSDPCompressionState", "CompressedReduceScatter"]
@@ -106,12 +112,17 @@ class _GroupLayout:
     @cached_property
     def numels(self) -> List[int]:
         """The pieces of the input, in order (block-scaled codecs restart their blocks at each)."""
-        return [c for _ in range(self.world) for c in self.chunks if c]
+        return self.row_numels(self.world)
 
-    def exact(self, uncompressed_numel: int) -> List[bool]:
-        """Per piece of ``numels``, whether its parameter travels in fp32."""
+    def row_numels(self, rows: int) -> List[int]:
+        """The pieces of ``rows`` rows (each row holds every parameter's chunk, in order)."""
+        return [c for _ in range(rows) for c in self.chunks if c]
+
+    def exact(self, uncompressed_numel: int, rows: Optional[int] = None) -> List[bool]:
+        """Per piece of ``row_numels(rows)`` (default: the whole input's), whether its parameter
+        travels in fp32."""
         flags = [travels_uncompressed(p.size, uncompressed_numel) for p in self.params]
-        return [f for _ in range(self.world) for f, c in zip(flags, self.chunks) if c]
+        return [f for _ in range(rows or self.world) for f, c in zip(flags, self.chunks) if c]
 
     def padding(self) -> torch.Tensor:
         """Indices of the input's padding elements (FSDP's zero rows past a parameter's dim 0)."""
@@ -150,20 +161,28 @@ class _GroupLayout:
 
 
 class _GroupState:
-    """One parameter group's state on this rank. lowrank: ``residual`` is the unsharded
-    gradient's (``layout.bucket``), ``q`` its parameters' Q factors; ``gather`` takes the unsharded
-    gradient out of the input, ``mine`` / ``into`` move this rank's rows of it into the output.
+    """One parameter group's state on this rank. The codecs' reduce-scatter takes ``rows`` rows of
+    the input (all W of them; with nodes of R ranks, the W / R rows of this local rank: see
+    ``_node_sum``), pieces ``numels``, and keeps the ``residual`` of those rows, whose padding
+    elements are ``padding``. lowrank: ``residual`` is the unsharded gradient's
+    (``layout.bucket``), ``q`` its parameters' Q factors; ``gather`` takes the unsharded gradient
+    out of the input, ``mine`` / ``into`` move this rank's rows of it into the output.
     ``owner_residual`` (this rank's shard): only with the optimizer, whose compressed steps are a
-    two-phase all-reduce; the reduce-scatter keeps each rank's shard of the sum as it is."""
+    two-phase all-reduce; the reduce-scatter keeps each rank's shard of the sum as it is.
+    ``node_rows``: with nodes, the buffers of the exact sum inside the node (reused)."""
 
-    __slots__ = ("layout", "residual", "owner_residual", "padding", "q", "gather", "mine", "into",
-                 "adam")
+    __slots__ = ("layout", "rows", "numels", "residual", "owner_residual", "padding", "q", "gather",
+                 "mine", "into", "adam", "node_rows")
 
-    def __init__(self, layout: _GroupLayout, residual: Optional[torch.Tensor],
-                 q: Optional[torch.Tensor], rank: int, device, adam: Optional[ShardedAdam] = None):
+    def __init__(self, layout: _GroupLayout, rows: int, padding: torch.Tensor,
+                 residual: Optional[torch.Tensor], q: Optional[torch.Tensor], rank: int, device,
+                 adam: Optional[ShardedAdam] = None,
+                 owner_residual: Optional[torch.Tensor] = None):
         self.layout, self.residual, self.q, self.adam = layout, residual, q, adam
-        self.owner_residual = None
-        self.padding = layout.padding().to(device)
+        self.rows, self.numels = rows, layout.row_numels(rows)
+        self.owner_residual = owner_residual
+        self.padding = padding.to(device)
+        self.node_rows = None
         self.gather = self.mine = self.into = None
         if q is not None:
             index = layout.unsharded_index()
@@ -212,8 +231,14 @@ class FSDPCompressionState(ReducerState):
                  min_compress_numel: int = MIN_COMPRESS_NUMEL, guard_nonfinite: bool = True,
                  param_codec: Optional[str] = None, uncompressed_numel: int = 0,
                  optimizer=None, denominator_dtype: str = "bf16",
-                 residual_dtype: torch.dtype = torch.float32):
+                 residual_dtype: torch.dtype = torch.float32, ranks_per_node: int = 1):
         _check_optimizer(optimizer, codec, denominator_dtype)
+        if int(ranks_per_node) < 1:
+            raise ValueError(f"gradzip.fsdp: ranks_per_node must be >= 1, got {ranks_per_node}")
+        if int(ranks_per_node) > 1:
+            check_two_level(codec, optimizer)
+        self.ranks_per_node = int(ranks_per_node)
+        self._nodes: Optional[NodeGroups] = None  # with ranks_per_node > 1, made at the first call
         # the settings, their checks and the warm-up / small-group policy are the DDP hook's; the
         # reduce-scatter sums every codec in fp32
         super().__init__(ReducerConfig(codec, error_feedback, warmup_steps, min_compress_numel,
@@ -236,7 +261,8 @@ class FSDPCompressionState(ReducerState):
         groups = ",".join(f"{i}:{len(p)}:{sum(math.prod(q.size) for q in p)}"
                           for i, p in sorted(self._params.items()))
         return (f"{self.config.describe(world)} param_codec={self.param_codec or 'none'} "
-                f"denominator={self.denominator_dtype} groups={groups}")
+                f"denominator={self.denominator_dtype} ranks_per_node={self.ranks_per_node} "
+                f"groups={groups}")
 
     @property
     def all_gather_traffic(self) -> dict:
@@ -257,7 +283,8 @@ class FSDPCompressionState(ReducerState):
                   for i, g in self._groups.items()}
         groups.update({i: d for i, d in self._loaded.items() if i not in groups})
         return {"version": _STATE_VERSION, "codec": self.config.codec, "step": self.step,
-                "error_feedback": self.config.error_feedback, "groups": groups}
+                "error_feedback": self.config.error_feedback, "groups": groups,
+                "ranks_per_node": self.ranks_per_node}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("version") != _STATE_VERSION:
@@ -282,11 +309,18 @@ class FSDPCompressionState(ReducerState):
         self.step = int(state["step"])
         self._groups, self._reduced = {}, set()
         self._loaded = {int(i): d for i, d in state["groups"].items()}
+        saved = state.get("ranks_per_node", 1)
+        if saved != self.ranks_per_node:
+            warnings.warn(f"gradzip.fsdp: the checkpoint was saved with ranks_per_node={saved}, "
+                          f"this state has {self.ranks_per_node}: a rank's residual covers other "
+                          "rows, the residuals are dropped", stacklevel=2)
+            self._loaded = {i: dict(d, residual=None) for i, d in self._loaded.items()}
 
     def __getstate__(self):
         d = super().__getstate__()
         d["_group_name"] = None
         d["_config_checked"] = False
+        d["_nodes"] = None
         return d
 
     # -- internals --------------------------------------------------------------------------------
@@ -309,8 +343,16 @@ class FSDPCompressionState(ReducerState):
             plan = self.config.plan
             gather = "" if self.config.direction is None else \
                 gather_group_name(group, device, plan)
+            between = group
+            if self.ranks_per_node > 1:
+                if group.size() != dist.get_world_size():
+                    raise ValueError(f"gradzip.fsdp: ranks_per_node lays nodes out over the "
+                                     f"default group's {dist.get_world_size()} ranks; FSDP "
+                                     f"reduces over {group.size()} of them (HSDP?)")
+                self._nodes = NodeGroups(self.ranks_per_node)
+                between = self._nodes.across
             self._runtime = torch.classes.gradzip.CompressedAllreduce(
-                reducing_group(group, device).group_name, self.config.codec, self._guard,
+                reducing_group(between, device).group_name, self.config.codec, self._guard,
                 plan.cast_sum, gather)
             self._group_name = group.group_name
         elif group.group_name != self._group_name:
@@ -323,9 +365,16 @@ class FSDPCompressionState(ReducerState):
         if st is None:
             layout = _GroupLayout(world, self._params[index])
             q_rank = self.config.plan.lowrank_rank
+            rows, padding = world, layout.padding()
+            if self._nodes is not None:  # this local rank's rows (_node_sum)
+                r, local = self.ranks_per_node, self._nodes.local_rank
+                rows = world // r
+                row, at = padding // layout.shard, padding % layout.shard
+                mine = row % r == local
+                padding = row[mine] // r * layout.shard + at[mine]
             residual = q = None
             if self.config.keeps_residual:  # lowrank's: of the unsharded gradient, no padding
-                n = layout.bucket[0] if q_rank else world * layout.shard
+                n = layout.bucket[0] if q_rank else rows * layout.shard
                 residual = torch.zeros(n, dtype=self.config.residual_dtype, device=device)
             if q_rank:
                 q = initial_qs(layout.bucket, q_rank, device)
@@ -352,8 +401,8 @@ class FSDPCompressionState(ReducerState):
                     owner.copy_(saved["owner_residual"])
                 if adam is not None:
                     adam.load_state_dict(saved["adam"], self.denominator_dtype)
-            st = self._groups[index] = _GroupState(layout, residual, q, rank, device, adam)
-            st.owner_residual = owner
+            st = self._groups[index] = _GroupState(layout, rows, padding, residual, q, rank, device,
+                                                   adam, owner)
         return st
 
     def _prescale(self, op, world: int, divide_factor: Optional[float]) -> float:
@@ -379,7 +428,8 @@ class FSDPCompressionState(ReducerState):
                              f"{input.numel()} -> {output.numel()} elements, its parameters make "
                              f"{world} x {st.layout.shard} (parameters changed after compress()?)")
         compressed = self.config.compresses(self.step, input.numel(), world)
-        raw = (world - 1) * st.layout.shard * input.element_size()
+        # FSDP's own reduce-scatter of the same input (with nodes: of the node sums between them)
+        raw = (st.rows - 1) * st.layout.shard * input.element_size()
         if st.adam is not None:
             self._check_adam_op(op)
             if compressed:  # v freezes at the group's first compressed step
@@ -394,12 +444,14 @@ class FSDPCompressionState(ReducerState):
             else:
                 x = input.reshape(-1)
                 x = x if x.dtype == torch.float32 else x.float()
-                exact = st.layout.exact(self.config.uncompressed_numel)
+                exact = st.layout.exact(self.config.uncompressed_numel, st.rows)
                 if st.adam is not None:
                     st.adam.send_(self.config.direction, x)
                     fut = self._allreduce_adam(index, st, x, exact)
                     fut = fut.then(self._finishing_adam(st, output, rank, x))
                 else:
+                    if self._nodes is not None:
+                        x = self._node_sum(st, x)
                     fut = self._reduce_codec(index, st, output, x, scale, exact)
             sent, received = self._runtime.traffic(index)
         else:
@@ -466,14 +518,31 @@ class FSDPCompressionState(ReducerState):
 
     def _reduce_codec(self, index, st, output, x, prescale, exact):
         self._prepare_residual(st)
-        return self._runtime.reduce_scatter(index, output.view(-1), x, st.layout.numels,
-                                            st.residual, prescale, exact)
+        return self._runtime.reduce_scatter(index, output.view(-1), x, st.numels, st.residual,
+                                            prescale, exact)
+
+    def _node_sum(self, st, x):
+        """The two-level reduce-scatter's first phase: row j of the input (W rows, row j = rank
+        j's shard) belongs to node j // R's local rank j % R. An exact fp32 reduce-scatter inside
+        the node gives local rank l the node's sum of rows l, R + l, 2R + l, ... (one per node);
+        the codec's reduce-scatter of those rows over the N ranks of local rank l, one per node,
+        then leaves rank j the sum of row j over every rank (its shard): the slow link carries one
+        node's compressed gradient, not every rank's."""
+        r, rows, shard = self.ranks_per_node, st.rows, st.layout.shard
+        if st.node_rows is None:
+            st.node_rows = (torch.empty(r * rows * shard, dtype=torch.float32, device=x.device),
+                            torch.empty(rows * shard, dtype=torch.float32, device=x.device))
+        by_local, node_sum = st.node_rows
+        by_local.view(r, rows, shard).copy_(x.view(rows, r, shard).transpose(0, 1))
+        dist.reduce_scatter_tensor(node_sum, by_local, group=self._nodes.node)
+        return node_sum
 
     def _allreduce_adam(self, index, st, x, exact):
         """The two-phase all-reduce of the whole group's candidates ``x``, in place, as the DDP
         hook's (worker and owner residuals; the C++ reduction saves the owner's for the guard)."""
         self._prepare_residual(st)
         numels = st.layout.numels
+        # rows (lowrank's matrix shapes, which a group with an optimizer never has): one per tensor
         return self._runtime.reduce(index, x, x, numels, st.residual, st.owner_residual, True,
                                     exact, numels, None)
 
@@ -539,7 +608,8 @@ def compress(root: torch.nn.Module, codec: str, error_feedback: bool = True,
              guard_nonfinite: bool = True, param_codec: Optional[str] = None,
              uncompressed_numel: int = 0, optimizer=None,
              denominator_dtype: str = "bf16",
-             residual_dtype: torch.dtype = torch.float32) -> FSDPCompressionState:
+             residual_dtype: torch.dtype = torch.float32,
+             ranks_per_node: int = 1) -> FSDPCompressionState:
     """Installs a compressed reduce-scatter on every FSDP module under ``root`` (already wrapped
     with ``fully_shard``, ``root`` included) and returns their shared state.
 
@@ -568,12 +638,18 @@ def compress(root: torch.nn.Module, codec: str, error_feedback: bool = True,
             parameter group, which each rank keeps from the freeze on (2 or 4 bytes per parameter).
         residual_dtype: ``torch.float32``, or ``torch.bfloat16``: the compact residual, half the
             bytes (each update rounded to bfloat16; the guard's backup is then bfloat16 too).
+        ranks_per_node: R > 1: the W = N x R ranks (FSDP's group must be the default one,
+            numbered node by node as torchrun numbers them) reduce in two levels, exact inside a
+            node (an fp32 reduce-scatter) and the codec between nodes, each rank over the N ranks
+            of its local rank (gradzip.two_level's layout; see ``_node_sum``): the slow link
+            carries one node's compressed gradient, and a rank's residual is 1/R of the flat
+            one's. Not with ``optimizer`` or ``lowrank:R``.
 
     ``"lowrank:R"`` (the DDP hook's PowerSGD class) needs every parameter sharded on dim 0.
     """
     state = FSDPCompressionState(codec, error_feedback, warmup_steps, min_compress_numel,
                                  guard_nonfinite, param_codec, uncompressed_numel, optimizer,
-                                 denominator_dtype, residual_dtype)
+                                 denominator_dtype, residual_dtype, ranks_per_node)
     names = {id(p): n for n, p in root.named_parameters(remove_duplicate=False)}
     modules = [m for m in root.modules() if isinstance(m, FSDPModule)]
     if not modules:

@@ -64,10 +64,11 @@ class ReducerConfig:
         self.error_feedback = bool(error_feedback)
         # What error feedback keeps: nothing for a lossless codec (fp32), whose residual would stay
         # zero; so fp32 costs neither a residual's memory nor its passes.
-        kind = CodecPlan.parse(codec).kind
+        parsed = CodecPlan.parse(codec)  # the summing rule (cast_sum) is decided below
+        kind = parsed.kind
         self.keeps_residual = self.error_feedback and kind not in wire.LOSSLESS_KINDS
         self.residual_dtype = checked_residual_dtype(residual_dtype)
-        if self.residual_dtype != torch.float32 and CodecPlan.parse(codec).lowrank_rank:
+        if self.residual_dtype != torch.float32 and parsed.lowrank_rank:
             raise ValueError("gradzip: residual_dtype=torch.bfloat16 keeps the codecs' residuals "
                              "(fp16, bf16, int8, sign, top-k); lowrank's stays float32")
         # The owner residual exists only where one rank forms the sum in fp32 (the two-phase path):

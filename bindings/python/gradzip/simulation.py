@@ -4,7 +4,8 @@ copying bytes (``torch.ops.gradzip.reduce_in_memory``, ``bindings/torch/in_memor
 so that its result equals the multi-rank hook bit for bit, except where the backend sums: the
 casts' one all-reduce (``cast_sum="wire"``; simulated as the fp32 sum of the W payloads in rank
 order rounded once, equal to the wire dtype's rounding of a W-term sum) and warm-up and small
-buckets (a plain fp32 all-reduce; equal to fp32 rounding).
+buckets (a plain fp32 all-reduce; equal to fp32 rounding). With ``ranks_per_node`` it runs the
+two-level reduction of :mod:`gradzip.two_level` instead.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from . import _ops  # noqa: F401  (loads the extension that defines torch.classe
 from .bucket_state import StateStore
 from .plan import TrafficStats
 from .reducer import STATE_VERSION, ReducerConfig, Reporting
+from .two_level import check_two_level, shard_layout
 from .wire import MIN_COMPRESS_NUMEL
 
 __all__ = ["SimulatedWorkers"]
@@ -43,6 +45,16 @@ class SimulatedWorkers(Reporting):
     backend's) are summed here in rank order of ``g / W``: equal to fp32 rounding. ``lowrank:R``
     (give the tensors' ``shapes=``) sums its two all-reduces in rank order: equal to the hook bit
     for bit at W = 2, to fp32 rounding above.
+
+    ``ranks_per_node=R`` (R > 1, dividing W): the workers are N = W / R nodes of R ranks, numbered
+    node by node, reduced as :class:`gradzip.two_level.TwoLevelState` reduces them: each node's
+    exact average of the bucket (summed in rank order, then divided by R), cut into R shards, and
+    shard l of every node reduced by the compressed reduction over the N nodes held by their local
+    rank l (one simulation of N workers per local rank, its residuals the shard's). Equal to the
+    hook bit for bit at R = 2 (a sum of two is the same in any order), to the fp32 rounding of the
+    node sums above. ``stats`` are the inter-node reduction's of local rank 0, as the hook's; the
+    guard keeps or undoes a step's updates of every shard together. Not with ``optimizer`` or
+    ``lowrank:R`` (as the hook).
     """
 
     def __init__(self, codec: str, world_size: int, error_feedback: bool = True,
@@ -50,9 +62,14 @@ class SimulatedWorkers(Reporting):
                  guard_nonfinite: bool = True, optimizer=None, cast_sum: Optional[str] = None,
                  warmup_codec: Optional[str] = None, uncompressed_numel: int = 0,
                  max_grad_norm: Optional[float] = None,
-                 residual_dtype: torch.dtype = torch.float32):
+                 residual_dtype: torch.dtype = torch.float32, ranks_per_node: int = 1):
         if int(world_size) < 1:
             raise ValueError(f"gradzip: world_size must be >= 1, got {world_size}")
+        if int(ranks_per_node) < 1 or int(world_size) % int(ranks_per_node):
+            raise ValueError(f"gradzip: ranks_per_node={ranks_per_node} does not divide the "
+                             f"world size {world_size}")
+        if int(ranks_per_node) > 1:
+            check_two_level(codec, optimizer)
         self.config = ReducerConfig(codec, error_feedback, warmup_steps, min_compress_numel,
                                     guard_nonfinite, optimizer, cast_sum, warmup_codec,
                                     uncompressed_numel, max_grad_norm,
@@ -65,6 +82,15 @@ class SimulatedWorkers(Reporting):
         self._clips = [self.config.new_clip() for _ in range(self.world_size)]
         self._in_step = False  # a bucket of the current step has been reduced
         self._reductions = {}  # (plan, bucket_index, numels, rows, exact, device) -> one per rank
+        self.ranks_per_node = int(ranks_per_node)
+        self._shards: List[SimulatedWorkers] = []  # two-level: local rank l's, over the nodes
+        if self.ranks_per_node > 1:
+            self._shards = [
+                SimulatedWorkers(codec, self.world_size // self.ranks_per_node, error_feedback,
+                                 warmup_steps, min_compress_numel, guard_nonfinite, None, cast_sum,
+                                 warmup_codec, uncompressed_numel, None, residual_dtype)
+                for _ in range(self.ranks_per_node)]
+            self._stats = self._shards[0]._stats
 
     @property
     def grad_norm(self) -> Optional[torch.Tensor]:
@@ -73,7 +99,11 @@ class SimulatedWorkers(Reporting):
         return None if self._clips[0] is None else self._clips[0].grad_norm
 
     def residuals(self, rank: int = 0) -> List[torch.Tensor]:
-        """The error-feedback residuals a worker holds (worker and owner, every bucket)."""
+        """The error-feedback residuals a worker holds (worker and owner, every bucket; with
+        ranks_per_node, of its shards)."""
+        if self._shards:
+            node, local = divmod(rank, self.ranks_per_node)
+            return self._shards[local].residuals(node)
         return self._ef[rank].residuals()
 
     def reduce(self, grads: List[torch.Tensor], bucket_index=0, is_last: bool = True,
@@ -95,19 +125,9 @@ class SimulatedWorkers(Reporting):
         n = flats[0].numel()
         if any(f.numel() != n or f.device != flats[0].device for f in flats):
             raise ValueError("gradzip: all gradients must have the same numel and device")
-        if shapes is None:
-            shapes = [(n,)] if numels is None else [(int(m),) for m in numels]
-        elif numels is None:
-            shapes = [tuple(int(d) for d in s) for s in shapes]
-        else:
-            raise ValueError("gradzip: give numels or shapes, not both")
-        if sum(math.prod(s) for s in shapes) != n or any(d < 0 for s in shapes for d in s):
-            raise ValueError(f"gradzip: tensors of shapes {shapes} do not partition the {n} "
-                             "elements")
-        keys = [(bucket_index, i) for i in range(len(shapes))] if keys is None else list(keys)
-        if len(keys) != len(shapes) or len(set(keys)) != len(keys):
-            raise ValueError(f"gradzip: keys must name each of the {len(shapes)} tensors once")
-        layout = (n, tuple(zip(keys, shapes)))
+        layout = bucket_layout(n, bucket_index, numels, keys, shapes)
+        if self._shards:
+            return self._reduce_two_level(flats, bucket_index, is_last, layout)
         bucket = cfg.begin_bucket(self.step, layout, world, reduction_guards=False)
         states = [cfg.bucket_state(self._ef[r], bucket_index, layout, world, r, flats[r].device)
                   for r in range(world)]
@@ -135,16 +155,48 @@ class SimulatedWorkers(Reporting):
         if cfg.direction is not None:
             cfg.direction.wrote_(outs[0])
         if is_last:
-            for g in self._guards:
-                if g is not None:
-                    g.commit()
-            for c in self._clips:
-                if c is not None:
-                    c.end_step()
-            self._in_step = False
-            self._stats.end_step(self.step)
-            self.step += 1
+            self._end_step()
         return outs[0]
+
+    def _end_step(self) -> None:
+        """After a step's last bucket: the guard keeps or undoes the step's updates, the step
+        count advances."""
+        for g in self._guards:
+            if g is not None:
+                g.commit()
+        for c in self._clips:
+            if c is not None:
+                c.end_step()
+        self._in_step = False
+        self._stats.end_step(self.step)
+        self.step += 1
+
+    def _reduce_two_level(self, flats, bucket_index, is_last, layout) -> torch.Tensor:
+        """The two-level reduction of one bucket (see the class docstring)."""
+        r, n = self.ranks_per_node, layout[0]
+        shard = -(-n // r)
+        nodes = []
+        for node in range(self.world_size // r):
+            total = torch.zeros(r * shard, dtype=torch.float32, device=flats[0].device)
+            for f in flats[node * r:(node + 1) * r]:
+                total[:n] += f
+            nodes.append(total.div_(r))
+        out = torch.empty(r * shard, dtype=torch.float32, device=flats[0].device)
+        for local, sim in enumerate(self._shards):
+            sim.step = self.step
+            piece = shard_layout(layout, local, shard)
+            part = slice(local * shard, (local + 1) * shard)
+            out[part] = sim.reduce([avg[part] for avg in nodes], bucket_index, is_last=False,
+                                   shapes=[s for _, s in piece[1]], keys=[k for k, _ in piece[1]])
+        for sim in self._shards:
+            for g in sim._guards:
+                if g is not None:  # the whole bucket: every shard's updates kept or undone alike
+                    g.flag(out[:n])
+        if is_last:
+            for sim in self._shards:
+                sim._end_step()
+            self.step += 1
+        return out[:n]
 
     def _reductions_of(self, bucket, index, like):
         """The W ranks' C++ reductions of a bucket (the codec's or lowrank's, as its spec says),
@@ -161,19 +213,43 @@ class SimulatedWorkers(Reporting):
         return self._reductions[key]
 
     def state_dict(self) -> dict:
-        return {"version": STATE_VERSION, "codec": self.config.codec, "step": self.step,
-                "world_size": self.world_size,
-                "workers": [store.state_dict() for store in self._ef],
-                "clips": [None if c is None else c.state_dict() for c in self._clips]}
+        d = {"version": STATE_VERSION, "codec": self.config.codec, "step": self.step,
+             "world_size": self.world_size,
+             "workers": [store.state_dict() for store in self._ef],
+             "clips": [None if c is None else c.state_dict() for c in self._clips]}
+        if self._shards:
+            d["ranks_per_node"] = self.ranks_per_node
+            d["shards"] = [sim.state_dict() for sim in self._shards]
+        return d
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("codec") != self.config.codec or state.get("world_size") != self.world_size:
-            raise ValueError("gradzip: SimulatedWorkers checkpoint is for codec "
-                             f"{state.get('codec')!r} x {state.get('world_size')}, this is "
-                             f"{self.config.codec!r} x {self.world_size}")
+        layout = (state.get("codec"), state.get("world_size"), state.get("ranks_per_node", 1))
+        if layout != (self.config.codec, self.world_size, self.ranks_per_node):
+            raise ValueError("gradzip: SimulatedWorkers checkpoint is for codec %r x %s (%s per "
+                             "node), this is %r x %s (%s per node)"
+                             % (*layout, self.config.codec, self.world_size, self.ranks_per_node))
+        for sim, d in zip(self._shards, state.get("shards", [])):
+            sim.load_state_dict(d)
         self.step = int(state["step"])
         for store, d in zip(self._ef, state["workers"]):
             store.load_state_dict(d)
         for clip, d in zip(self._clips, state.get("clips") or [None] * self.world_size):
             if clip is not None and d is not None:
                 clip.load_state_dict(d)
+
+
+def bucket_layout(n: int, bucket_index, numels, keys, shapes) -> tuple:
+    """The bucket_state layout of a bucket of ``n`` elements given as SimulatedWorkers.reduce's
+    arguments, checked."""
+    if shapes is None:
+        shapes = [(n,)] if numels is None else [(int(m),) for m in numels]
+    elif numels is None:
+        shapes = [tuple(int(d) for d in s) for s in shapes]
+    else:
+        raise ValueError("gradzip: give numels or shapes, not both")
+    if sum(math.prod(s) for s in shapes) != n or any(d < 0 for s in shapes for d in s):
+        raise ValueError(f"gradzip: tensors of shapes {shapes} do not partition the {n} elements")
+    keys = [(bucket_index, i) for i in range(len(shapes))] if keys is None else list(keys)
+    if len(keys) != len(shapes) or len(set(keys)) != len(keys):
+        raise ValueError(f"gradzip: keys must name each of the {len(shapes)} tensors once")
+    return (n, tuple(zip(keys, shapes)))

@@ -46,9 +46,10 @@ import torch.distributed as dist
 
 from .bucket_state import covering, param_offsets, tuplify
 from ._groups import require_same_config
+from .plan import CodecPlan
 from .ddp import CompressionState
 
-__all__ = ["TwoLevelState", "NodeGroups", "shard_layout"]
+__all__ = ["TwoLevelState", "NodeGroups", "shard_layout", "check_two_level"]
 
 
 class NodeGroups:
@@ -106,6 +107,18 @@ def shard_layout(layout, local_rank: int, shard: int):
     return (shard, tuple(pieces))
 
 
+def check_two_level(codec: str, optimizer) -> None:
+    """Refuses (ValueError) the settings a shard's reduction cannot run: a gradzip.optim
+    ``optimizer`` (its state is the whole bucket's) and lowrank (it factors whole matrices)."""
+    if optimizer is not None:
+        raise ValueError("gradzip.two_level: the gradzip.optim optimizers keep one state of the "
+                         "whole bucket, which a shard's reduction does not form: use torch's "
+                         "optimizers (or the flat CompressionState)")
+    if CodecPlan.parse(codec).lowrank_rank:
+        raise ValueError(f"gradzip.two_level: {codec} factors whole matrices, which a "
+                         "node's shard cuts: use the flat CompressionState")
+
+
 def _ranks_per_node(ranks_per_node: Optional[int]) -> int:
     if ranks_per_node is None:
         env = os.environ.get("LOCAL_WORLD_SIZE")
@@ -127,14 +140,8 @@ class TwoLevelState(CompressionState):
         if "process_group" in kwargs:
             raise TypeError("gradzip.two_level: the node layout's groups span the default group; "
                             "process_group is not an argument")
-        if kwargs.get("optimizer") is not None:
-            raise ValueError("gradzip.two_level: the gradzip.optim optimizers keep one state of "
-                             "the whole bucket, which a shard's reduction does not form: use "
-                             "torch's optimizers (or the flat CompressionState)")
+        check_two_level(codec, kwargs.get("optimizer"))
         super().__init__(codec, **kwargs)
-        if self.config.plan.lowrank_rank:
-            raise ValueError(f"gradzip.two_level: {codec} factors whole matrices, which a node's "
-                             "shard cuts: use the flat CompressionState")
         self.ranks_per_node = _ranks_per_node(ranks_per_node)
         self._nodes: Optional[NodeGroups] = None
         self._buffers: dict = {}  # bucket index -> (padded bucket, shard), fp32, reused

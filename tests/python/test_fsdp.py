@@ -122,24 +122,25 @@ def test_biases_sent_uncompressed(session):
             assert sent[1] > sent[0], (codec, sent)
 
 
-def test_parameters_identical_on_every_rank_after_training(session):
-    world, outdir = session
-    runs = load(outdir, "train", world)
+def check_parameters_identical_after_training(runs, codecs):
+    """The "train" scenario's records: every rank's full parameters finite and equal to rank 0's,
+    and each of ``codecs`` away from the uncompressed run's."""
     for key, base in runs[0].items():
         for p in base["params"]:
             assert torch.isfinite(p).all(), key
-        for r in range(1, world):
+        for r in range(1, len(runs)):
             for a, b in zip(base["params"], runs[r][key]["params"]):
                 assert torch.equal(a, b), f"{key}: rank {r}'s parameters differ from rank 0's"
     # compression changes the trajectory (the test would pass without it otherwise)
-    for codec in TRAIN:
+    for codec in codecs:
         assert not torch.equal(runs[0][(codec, "adamw")]["params"][0],
                                runs[0][(None, "adamw")]["params"][0])
 
 
-def test_nonfinite_gradient_stays_visible_and_residuals_are_restored(session):
-    world, outdir = session
-    for r, run in enumerate(load(outdir, "nonfinite", world)):
+def check_nonfinite_visible_and_residuals_restored(runs):
+    """The "nonfinite" scenario's records: the overflow step's gradient non-finite on every rank,
+    its residual updates undone, the finite steps' kept, every residual finite."""
+    for r, run in enumerate(runs):
         for codec, log in run.items():
             assert log[0]["grads_finite"] and log[2]["grads_finite"], (r, codec, log)
             assert not log[1]["grads_finite"], f"{codec}: rank {r} lost the non-finite gradient"
@@ -148,13 +149,29 @@ def test_nonfinite_gradient_stays_visible_and_residuals_are_restored(session):
             assert all(step["residuals_finite"] for step in log), (r, codec, log)
 
 
-def test_resume_from_state_dict_equals_uninterrupted_run(session):
-    world, outdir = session
-    for r, run in enumerate(load(outdir, "resume", world)):
+def check_resume_exact(runs):
+    """The "resume" scenario's records: each rank's shards after a resume at step 2 equal the
+    uninterrupted run's, and the checkpoint held a residual."""
+    for r, run in enumerate(runs):
         for codec, res in run.items():
             assert res["saved_step"] == 2 and res["residual_norm"] > 0
             for a, b in zip(res["uninterrupted"], res["resumed"]):
                 assert torch.equal(a, b), f"{codec}: rank {r} diverged after resume"
+
+
+def test_parameters_identical_on_every_rank_after_training(session):
+    world, outdir = session
+    check_parameters_identical_after_training(load(outdir, "train", world), TRAIN)
+
+
+def test_nonfinite_gradient_stays_visible_and_residuals_are_restored(session):
+    world, outdir = session
+    check_nonfinite_visible_and_residuals_restored(load(outdir, "nonfinite", world))
+
+
+def test_resume_from_state_dict_equals_uninterrupted_run(session):
+    world, outdir = session
+    check_resume_exact(load(outdir, "resume", world))
 
 
 def test_async_reduce_scatter_completes_at_wait(session):

@@ -10,6 +10,8 @@ import torch
 import fsdp_scenarios as sc
 from dist_util import run_ranks
 from fsdp_scenarios import load
+from test_fsdp import (check_nonfinite_visible_and_residuals_restored,
+                       check_parameters_identical_after_training, check_resume_exact, rel)
 
 R = 2  # ranks per node
 WORLD = 4
@@ -26,10 +28,6 @@ def session(tmp_path_factory):
             ("nonfinite", (TRAIN,)), ("resume", (TRAIN,))]
     run_ranks(sc.session, WORLD, str(outdir), plan, timeout=420)
     return outdir
-
-
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 @pytest.mark.parametrize("policy", ["default", "reduce_bf16", "divide_1"])
@@ -77,33 +75,15 @@ def test_topk_error_feedback_invariant_in_float64(session):
 
 
 def test_parameters_identical_and_changed_by_compression(session):
-    runs = load(session, "train", WORLD)
-    for key, base in runs[0].items():
-        assert all(torch.isfinite(p).all() for p in base["params"]), key
-        for r in range(1, WORLD):
-            for a, b in zip(base["params"], runs[r][key]["params"]):
-                assert torch.equal(a, b), f"{key}: rank {r}'s parameters differ from rank 0's"
-    for codec in TRAIN:
-        assert not torch.equal(runs[0][(codec, "adamw")]["params"][0],
-                               runs[0][(None, "adamw")]["params"][0])
+    check_parameters_identical_after_training(load(session, "train", WORLD), TRAIN)
 
 
 def test_nonfinite_gradient_stays_visible_and_residuals_are_restored(session):
-    for r, run in enumerate(load(session, "nonfinite", WORLD)):
-        for codec, log in run.items():
-            assert log[0]["grads_finite"] and log[2]["grads_finite"], (r, codec, log)
-            assert not log[1]["grads_finite"], f"{codec}: rank {r} lost the non-finite gradient"
-            assert log[1]["residuals_restored"], f"{codec}: rank {r} kept the overflow's residual"
-            assert not log[2]["residuals_restored"]
-            assert all(step["residuals_finite"] for step in log), (r, codec, log)
+    check_nonfinite_visible_and_residuals_restored(load(session, "nonfinite", WORLD))
 
 
 def test_resume_from_state_dict_equals_uninterrupted_run(session):
-    for r, run in enumerate(load(session, "resume", WORLD)):
-        for codec, res in run.items():
-            assert res["saved_step"] == 2 and res["residual_norm"] > 0
-            for a, b in zip(res["uninterrupted"], res["resumed"]):
-                assert torch.equal(a, b), f"{codec}: rank {r} diverged after resume"
+    check_resume_exact(load(session, "resume", WORLD))
 
 
 def test_settings_a_node_layout_cannot_carry_are_refused():

@@ -66,7 +66,7 @@ from .optim import FrozenVarianceAdam
 from .plan import CodecPlan
 from .reducer import ReducerConfig, ReducerState, reduce_bucket
 from .param_gather import CompressedAllGather, param_codec as _param_codec
-from .two_level import NodeGroups, check_two_level
+from .two_level import NodeGroups, check_two_level, checked_ranks_per_node
 from .wire import MIN_COMPRESS_NUMEL, travels_uncompressed
 
 __all__ = ["compress", "FSDPCompressionState", "CompressedReduceScatter"]
@@ -233,11 +233,9 @@ class FSDPCompressionState(ReducerState):
                  optimizer=None, denominator_dtype: str = "bf16",
                  residual_dtype: torch.dtype = torch.float32, ranks_per_node: int = 1):
         _check_optimizer(optimizer, codec, denominator_dtype)
-        if int(ranks_per_node) < 1:
-            raise ValueError(f"gradzip.fsdp: ranks_per_node must be >= 1, got {ranks_per_node}")
-        if int(ranks_per_node) > 1:
+        self.ranks_per_node = checked_ranks_per_node(ranks_per_node)
+        if self.ranks_per_node > 1:
             check_two_level(codec, optimizer)
-        self.ranks_per_node = int(ranks_per_node)
         self._nodes: Optional[NodeGroups] = None  # with ranks_per_node > 1, made at the first call
         # the settings, their checks and the warm-up / small-group policy are the DDP hook's; the
         # reduce-scatter sums every codec in fp32

@@ -49,7 +49,8 @@ from ._groups import require_same_config
 from .plan import CodecPlan
 from .ddp import CompressionState
 
-__all__ = ["TwoLevelState", "NodeGroups", "shard_layout", "check_two_level"]
+__all__ = ["TwoLevelState", "NodeGroups", "shard_layout", "check_two_level",
+           "checked_ranks_per_node"]
 
 
 class NodeGroups:
@@ -119,7 +120,9 @@ def check_two_level(codec: str, optimizer) -> None:
                          "node's shard cuts: use the flat CompressionState")
 
 
-def _ranks_per_node(ranks_per_node: Optional[int]) -> int:
+def checked_ranks_per_node(ranks_per_node: Optional[int]) -> int:
+    """``ranks_per_node`` as an int >= 1 (ValueError otherwise); None: torchrun's
+    LOCAL_WORLD_SIZE."""
     if ranks_per_node is None:
         env = os.environ.get("LOCAL_WORLD_SIZE")
         if env is None:
@@ -142,7 +145,7 @@ class TwoLevelState(CompressionState):
                             "process_group is not an argument")
         check_two_level(codec, kwargs.get("optimizer"))
         super().__init__(codec, **kwargs)
-        self.ranks_per_node = _ranks_per_node(ranks_per_node)
+        self.ranks_per_node = checked_ranks_per_node(ranks_per_node)
         self._nodes: Optional[NodeGroups] = None
         self._buffers: dict = {}  # bucket index -> (padded bucket, shard), fp32, reused
         self._layouts: dict = {}  # bucket index -> the bucket's layout (resume's covering)
